@@ -1,0 +1,63 @@
+"""The ``elsi`` command line: one sub-command per pipeline stage.
+
+Options come from the typed config dataclasses of each stage (``elsi.config.opt``);
+each sub-command lives in a module of this package and is listed in ``COMMAND_MODULES``.
+Printing, progress bars and exit codes belong here, not in the stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import warnings
+
+from elsi.cli.common import Command, build_configs
+from elsi.config import add_dataclass_args
+
+# Modules defining ``COMMANDS: list[Command]``, in pipeline order.
+COMMAND_MODULES = ("elsi.cli.analyze",)
+
+
+def commands() -> list[Command]:
+    out: list[Command] = []
+    for name in COMMAND_MODULES:
+        out.extend(importlib.import_module(name).COMMANDS)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elsi",
+        description="Choose, train and prove the target layers an EAGLE3 draft is conditioned on.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for cmd in commands():
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        for cls in cmd.configs:
+            add_dataclass_args(p, cls)
+        p.set_defaults(_command=cmd)
+    return parser
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"elsi: warning: {message}", file=file or sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    cmd: Command = ns._command
+    try:
+        configs = build_configs(cmd, ns)
+        return int(cmd.run(*configs) or 0)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"elsi {cmd.name}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nelsi {cmd.name}: interrupted; finished work is saved, rerun the same command to continue", file=sys.stderr)
+        return 130
+
+
+__all__ = ["COMMAND_MODULES", "build_parser", "commands", "main"]

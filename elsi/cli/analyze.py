@@ -1,0 +1,110 @@
+"""``elsi analyze`` (collect -> Gram tensor -> analysis.json) and ``elsi score``."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from elsi.cli.common import Command, Runtime, print_json, table
+from elsi.collect.collector import CollectConfig, Progress, collect, existing_run
+from elsi.collect.store import read_json
+from elsi.config import opt
+from elsi.data import load_dataset
+from elsi.models import load_target
+from elsi.stats.analysis import ANALYSIS, AnalysisConfig, GramRun, analyze_run
+
+
+@dataclass(frozen=True)
+class AnalyzeOutput:
+    """Where the run goes."""
+
+    out: str = opt("", "run directory (default: runs/<model>)")
+
+
+def run_dir_for(out: str, model: str) -> Path:
+    return Path(out) if out else Path("runs") / Path(model).name.removesuffix(".gguf")
+
+
+def analyze(ccfg: CollectConfig, acfg: AnalysisConfig, dest: AnalyzeOutput, rt: Runtime) -> int:
+    device, dtype = rt.setup()
+    run_dir = run_dir_for(dest.out, ccfg.model)
+    man = existing_run(run_dir, ccfg)
+    if man is None or man.get("status") != "complete":
+        dataset = load_dataset(ccfg.data)
+        target = load_target(ccfg.model, device, dtype, rt.trust_remote_code)
+        bar = tqdm(total=ccfg.samples, desc="collect", unit="sample", file=sys.stderr, dynamic_ncols=True)
+
+        def show(p: Progress) -> None:
+            if bar.n == 0 and p.resumed:
+                bar.write(f"resuming: {p.resumed} samples already collected in {run_dir}")
+            bar.n = p.samples_done
+            bar.set_postfix_str(f"{p.tokens_seen / max(p.elapsed_s, 1e-9):.0f} tok/s", refresh=True)
+
+        man = collect(target, dataset, ccfg, run_dir, on_progress=show)
+        bar.close()
+    old = run_dir / ANALYSIS
+    prev = read_json(old).get("settings", {}) if old.exists() else {}
+    if not old.exists() or any(prev.get(k) != v for k, v in acfg.__dict__.items()):
+        print("computing statistics from the Gram tensor ...", file=sys.stderr)
+        res = analyze_run(run_dir, acfg)
+    else:
+        res = read_json(old)
+    c = man["counts"]
+    print(
+        f"{run_dir}: {c['samples_used']} samples, {c['tokens_seen']} tokens seen, {c['tokens_kept']} kept, "
+        f"{c['blocks']} blocks; skipped {c['samples_skipped']}"
+    )
+    rows = [
+        [l, f"{h:.4f}", f"{s:.4f}" if s is not None else "-", f"{hn:.4f}", f"{t:.4f}" if not math.isnan(t) else "-"]
+        for l, h, s, hn, t in zip(res["layers"], res["layer_entropy"], res["layer_entropy_std"],
+                                  res["layer_entropy_normalized"], res["transition"][1:] + [math.nan])
+    ]
+    print(table(rows, ["layer", "entropy", "std", "normalized", "T(l)"]))
+    print(f"boundaries (T peaks): {res['boundaries']}; compartments: {res['compartments']}")
+    print(f"wrote {run_dir / 'grams.safetensors'}, {run_dir / 'manifest.json'}, {run_dir / ANALYSIS}")
+    return 0
+
+
+@dataclass(frozen=True)
+class ScoreArgs:
+    """The run and the layer set to score."""
+
+    run: str = opt(help="run directory of a finished `elsi analyze`")
+    layers: str = opt(help="layer ids, e.g. 2,15,27 (HF hidden-state ids; ranges a-b allowed)")
+    json: bool = opt(False, "print JSON")
+
+
+def score(args: ScoreArgs) -> int:
+    run = GramRun(args.run)
+    layers = run.check(args.layers)
+    st = run.entropy(layers)
+    mb = run.mean_block_entropy([layers])[0]
+    out = {
+        "run": args.run,
+        "layers": sorted(layers),
+        "entropy": st.mean,
+        "entropy_std": st.std,
+        "entropy_normalized": st.normalized,
+        "entropy_mean_block": mb,
+        "entropy_mean_block_normalized": mb / math.log(run.block),
+        "num_samples": run.num_samples,
+        "num_blocks": run.num_blocks,
+    }
+    if args.json:
+        print_json(out)
+    else:
+        print(f"layers {out['layers']}: entropy {st.mean:.4f} ± {st.std:.4f} nats "
+              f"(normalized {st.normalized:.4f}); mean-block {mb:.4f} "
+              f"over {run.num_samples} samples, {run.num_blocks} blocks")
+    return 0
+
+
+COMMANDS = [
+    Command("analyze", "collect the Gram tensor of every hidden layer and compute entropy, CKA and transitions",
+            (CollectConfig, AnalysisConfig, AnalyzeOutput, Runtime), analyze),
+    Command("score", "entropy (raw and normalised) of any layer set of a finished run", (ScoreArgs,), score),
+]

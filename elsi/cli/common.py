@@ -1,0 +1,65 @@
+"""Pieces shared by the sub-commands: the command table entry, runtime options, output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from elsi.config import from_args, opt
+from elsi.models import resolve_device
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Command:
+    """One sub-command: its name, help, the config dataclasses that make its options, and its body."""
+
+    name: str
+    help: str
+    configs: tuple[type, ...]
+    run: Callable[..., int | None]  # called with one instance per config class, in order
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how the target runs."""
+
+    device: str = opt("auto", "cuda, cpu, or auto (CUDA when present)")
+    dtype: str = opt("float32", "weights dtype of the target", choices=tuple(DTYPES))
+    threads: int = opt(0, "CPU threads for torch (0 = torch's default)")
+    trust_remote_code: bool = opt(False, "allow model code from the hub (off unless asked)")
+
+    def setup(self) -> tuple[torch.device, torch.dtype]:
+        """Resolve device and dtype once at the entry point; quiet library chatter."""
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        return resolve_device(self.device), DTYPES[self.dtype]
+
+
+def build_configs(cmd: Command, ns: argparse.Namespace) -> list:
+    return [from_args(cls, ns) for cls in cmd.configs]
+
+
+def print_json(obj) -> None:
+    json.dump(obj, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    """A GitHub-markdown table (readable in a terminal too)."""
+    cells = [[str(c) for c in r] for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])])

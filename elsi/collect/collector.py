@@ -1,0 +1,223 @@
+"""``elsi analyze``'s collection stage: one forward per sample -> Gram tensor on disk.
+
+Resumable: finished samples are written to shards atomically; a Ctrl-C writes the
+pending samples first; a kill loses at most the samples since the last shard. Running
+the same command again continues from the shards and never counts a sample twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from elsi.collect.grams import NORMALIZE, block_grams, blocks_of, filter_positions, kept_count, token_entropy
+from elsi.collect.store import GRAMS, MANIFEST, VARIANTS, RunError, ShardStore, read_json, save_tensors, write_json
+from elsi.data import Dataset, iter_tokenized
+from elsi.config import opt
+from elsi.models import DEFAULT_MODEL, Target
+
+
+@dataclass(frozen=True)
+class CollectConfig:
+    """Settings that define the collected Gram tensor (a run directory holds one)."""
+
+    model: str = opt(DEFAULT_MODEL, "target: alias (smollm2-135m, gemma3-270m), HF directory, .gguf file or hub id")
+    data: str = opt("sharegpt", "calibration data: sharegpt, or a .json/.jsonl file (ShareGPT, messages or text)")
+    samples: int = opt(200, "samples to use (each with at least one full block)")
+    max_tokens: int = opt(1024, "tokens per sample (longer samples are cut)")
+    seed: int = opt(0, "seed of the order in which samples are drawn")
+    rho: float = opt(0.3, "token-entropy filter: fraction of lowest-entropy positions dropped per sample")
+    block: int = opt(32, "tokens per block (B)")
+    normalize: str = opt("center-l2", "per block and layer: centre and L2-normalise rows, or none", choices=NORMALIZE)
+
+    def __post_init__(self):
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.block < 4:
+            raise ValueError(f"block must be >= 4, got {self.block}")
+        if self.max_tokens < self.block + 1:
+            raise ValueError(f"max_tokens must exceed block ({self.block}), got {self.max_tokens}")
+        if not 0.0 <= self.rho < 1.0:
+            raise ValueError(f"rho must be in [0, 1), got {self.rho}")
+        if self.normalize not in NORMALIZE:
+            raise ValueError(f"normalize must be one of {NORMALIZE}, got {self.normalize!r}")
+
+
+@dataclass
+class Progress:
+    """What the CLI's progress bar shows after each sample."""
+
+    samples_done: int
+    samples_total: int
+    tokens_seen: int  # tokens forwarded in this invocation
+    elapsed_s: float
+    resumed: int = 0  # samples found finished on disk
+
+
+@dataclass
+class _Pending:
+    records: list[dict] = field(default_factory=list)
+    parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def package_versions() -> dict[str, str]:
+    out = {}
+    for pkg in ("elsi", "torch", "transformers", "numpy", "safetensors"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def existing_run(run_dir: Path, cfg: CollectConfig) -> dict | None:
+    """The manifest of a run in ``run_dir`` (None if there is none); other settings are an error."""
+    path = run_dir / MANIFEST
+    if not path.exists():
+        return None
+    man = read_json(path)
+    theirs = man.get("settings", {})
+    diff = {k: (theirs.get(k), v) for k, v in asdict(cfg).items() if theirs.get(k) != v}
+    if diff:
+        what = ", ".join(f"{k}: run has {a!r}, asked {b!r}" for k, (a, b) in diff.items())
+        raise RunError(f"{run_dir} holds a run with other settings ({what}); use another --out")
+    return man
+
+
+def start_manifest(run_dir: Path, cfg: CollectConfig, target: Target) -> dict:
+    """Create the manifest of a new run."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    man = {
+        "status": "collecting",
+        "model": cfg.model,
+        "model_source": target.source,
+        "num_layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "layer_ids": "Hugging Face output_hidden_states: 0 = embeddings, l = output of decoder layer l-1",
+        "settings": asdict(cfg),
+        "versions": package_versions(),
+    }
+    write_json(run_dir / MANIFEST, man)
+    return man
+
+
+def _forward(target: Target, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward: logits (T, V) and all hidden states (N+1, T, d)."""
+    x = torch.tensor([ids], device=target.device)  # (1, T)
+    with torch.inference_mode():
+        out = target.model(input_ids=x, output_hidden_states=True, use_cache=False)
+    hidden = torch.stack([h[0] for h in out.hidden_states])  # (N+1, T, d)
+    return out.logits[0], hidden
+
+
+def collect(
+    target: Target,
+    dataset: Dataset,
+    cfg: CollectConfig,
+    run_dir: Path,
+    on_progress: Callable[[Progress], None] | None = None,
+    flush_every: int = 16,
+    flush_seconds: float = 60.0,
+) -> dict:
+    """Collect the Gram tensor of ``cfg`` into ``run_dir``; return the final manifest.
+
+    A complete run is returned as is. Samples are drawn in the seed's order; a sample
+    too short for one full block after filtering is skipped before any forward pass.
+    """
+    man = existing_run(run_dir, cfg) or start_manifest(run_dir, cfg, target)
+    if man.get("status") == "complete" and (run_dir / GRAMS).exists():
+        return man
+    store = ShardStore(run_dir)
+    done = store.done()
+    done_idx = {r["index"] for r in done}
+    skipped: Counter = Counter(dataset.skipped)
+    pending = _Pending()
+    used = len(done)
+    t0, tokens_seen, last_flush = time.perf_counter(), 0, time.perf_counter()
+
+    def flush() -> None:
+        nonlocal last_flush
+        if pending.records:
+            store.write(pending.records, pending.parts, pending.sums)
+            pending.records.clear()
+            pending.parts.clear()
+            pending.sums.clear()
+        last_flush = time.perf_counter()
+
+    seen = 0
+    try:
+        for idx, sample, ids in iter_tokenized(dataset, target.tokenizer, cfg.max_tokens, cfg.seed):
+            if seen >= cfg.samples:
+                break
+            if isinstance(ids, str):
+                skipped[ids] += 1
+                continue
+            if kept_count(len(ids), cfg.rho) < cfg.block:
+                skipped["too_short"] += 1
+                continue
+            seen += 1
+            if idx in done_idx:
+                continue  # finished in an earlier invocation
+            logits, hidden = _forward(target, ids)
+            ent = token_entropy(logits)  # (T,)
+            record = {"index": idx, "id": sample.id, "tokens": len(ids)}
+            for v, rho in zip(VARIANTS, (cfg.rho, 0.0)):
+                pos = filter_positions(ent, rho)  # (kept,)
+                blocks = blocks_of(pos, cfg.block)  # (nb, B)
+                grams, bsum = block_grams(hidden, blocks, cfg.normalize)
+                pending.parts.setdefault("grams" + v, []).append(grams)
+                local = torch.full((grams.shape[0],), len(pending.records), dtype=torch.int64)
+                pending.parts.setdefault("block_local" + v, []).append(local)
+                key = "block_sum" + v
+                pending.sums[key] = bsum if key not in pending.sums else pending.sums[key] + bsum
+                record["kept" + v] = int(pos.numel())
+                record["blocks" + v] = int(blocks.shape[0])
+            record["mean_token_entropy"] = float(ent[1:].mean())
+            pending.records.append(record)
+            used += 1
+            tokens_seen += len(ids)
+            if len(pending.records) >= flush_every or time.perf_counter() - last_flush > flush_seconds:
+                flush()
+            if on_progress:
+                on_progress(Progress(used, cfg.samples, tokens_seen, time.perf_counter() - t0, len(done)))
+    except KeyboardInterrupt:
+        flush()  # keep every finished sample
+        raise
+    flush()
+    return _finish(run_dir, man, store, skipped)
+
+
+def _finish(run_dir: Path, man: dict, store: ShardStore, skipped: Counter) -> dict:
+    """Merge the shards into grams.safetensors and complete the manifest."""
+    records = store.done()
+    if not records:
+        raise RunError(f"no sample of {man['settings']['data']} has a full block of {man['settings']['block']} tokens")
+    tensors = store.merge()
+    save_tensors(run_dir / GRAMS, tensors)
+    man.update(
+        status="complete",
+        samples=[{k: r[k] for k in ("index", "id", "tokens", "kept", "blocks", "blocks_unfiltered")} for r in records],
+        counts={
+            "samples_used": len(records),
+            "samples_skipped": dict(skipped),
+            "tokens_seen": int(sum(r["tokens"] for r in records)),
+            "tokens_kept": int(sum(r["kept"] for r in records)),
+            "tokens_in_blocks": int(sum(r["blocks"] for r in records)) * man["settings"]["block"],
+            "blocks": int(sum(r["blocks"] for r in records)),
+            "blocks_unfiltered": int(sum(r["blocks_unfiltered"] for r in records)),
+        },
+    )
+    if len(records) < man["settings"]["samples"]:
+        man["counts"]["note"] = f"the data had only {len(records)} usable samples of {man['settings']['samples']} asked"
+    write_json(run_dir / MANIFEST, man)
+    for path in store.shards():
+        path.unlink()
+    store.dir.rmdir()
+    return man

