@@ -1,7 +1,7 @@
 """Targets: resolving ``--model``, loading, and the per-family adapters."""
 
 from elsi.models.adapters import REGISTRY, Adapter, adapter_for, plain_template, resolve_device
-from elsi.models.load import ALIASES, DEFAULT_MODEL, Target, cache_dir, load_target, resolve_model
+from elsi.models.load import ALIASES, DEFAULT_MODEL, Target, cache_dir, load_target, model_num_layers, resolve_model
 
 __all__ = [
     "ALIASES",
@@ -12,6 +12,7 @@ __all__ = [
     "adapter_for",
     "cache_dir",
     "load_target",
+    "model_num_layers",
     "plain_template",
     "resolve_device",
     "resolve_model",

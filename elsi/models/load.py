@@ -137,3 +137,11 @@ def load_target(
         num_layers=adapter.num_layers(model),
         hidden_size=adapter.hidden_size(model),
     )
+
+
+def model_num_layers(spec: str, trust_remote_code: bool = False) -> int:
+    """N of a model from its config alone (no weights loaded)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(resolve_model(spec), trust_remote_code=trust_remote_code)
+    return int(cfg.get_text_config().num_hidden_layers)

@@ -208,7 +208,7 @@ def pair_entropy(run: GramRun, pool: list[int], aggregate: str) -> list[list[flo
     for i in range(len(pool)):
         for j in range(i, len(pool)):
             mat[i, j] = mat[j, i] = next(it)
-    return mat.round(6).tolist()
+    return mat.tolist()
 
 
 def analyze_run(run_dir: str | Path, cfg: AnalysisConfig) -> dict:

@@ -1,0 +1,134 @@
+"""Selection against exhaustive references; baselines; export numbering; bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from math import comb
+
+import pytest
+
+from elsi.cli import main
+from elsi.select import SelectConfig, Selector, baseline, elsi_c_candidates, export_fragment
+from elsi.select.search import SetScorer, beam_search, exhaustive_search
+from elsi.stats.analysis import GramRun
+
+
+def _sel(run_dir, **kw):
+    return Selector(SelectConfig(run=str(run_dir), **kw))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_elsi_with_full_beam_equals_exhaustive_optimum(tiny_run, m):
+    run = GramRun(tiny_run)
+    pool = tuple(range(1, 9))
+    full_beam = comb(len(pool), max(m - 1, 1))
+    scorer = SetScorer(run)
+    best, _ = beam_search(scorer, pool, m, beam=full_beam)
+    ex = exhaustive_search(run, pool, m, per_sample=0)
+    assert best == ex.best
+    assert scorer.cache[best] == pytest.approx(ex.best_entropy, abs=1e-12)
+    low, _ = beam_search(SetScorer(run), pool, m, beam=full_beam, maximize=False)
+    assert low == ex.worst
+
+
+def test_without_require_late_search_covers_early_sets(tiny_run):
+    run = GramRun(tiny_run)
+    ex = exhaustive_search(run, (1, 2, 3, 4, 5, 6, 7, 8), 2, require_late=False, per_sample=0)
+    assert ex.num_sets == comb(8, 2)
+    ex_late = exhaustive_search(run, (1, 2, 3, 4, 5, 6, 7, 8), 2, per_sample=0)
+    assert ex_late.num_sets == comb(8, 2) - comb(4, 2)  # sets with no layer > N/2 = 4 excluded
+
+
+def test_elsi_c_only_extends_by_allowed_candidates(tiny_run):
+    sel = _sel(tiny_run, method="elsi-c", m=3, q=2, beam=4)
+    res = sel.select("elsi-c", 3)
+    allowed = elsi_c_candidates(sel.run, sel.pool, 2, sel.boundaries)
+    assert res.beams and len(res.beams) == 3
+    for depth in res.beams[1:]:
+        for item in depth["sets"]:
+            parent = tuple(item["parent"])
+            added = set(item["layers"]) - set(parent)
+            assert item["candidates"] == allowed(parent)
+            assert added <= set(item["candidates"])
+            assert len(item["candidates"]) <= 2 + len(sel.boundaries)
+
+
+def test_exhaustive_subsample_then_rescore_finds_the_same_set(tiny_run):
+    run = GramRun(tiny_run)
+    full = exhaustive_search(run, tuple(range(1, 9)), 3, per_sample=0)
+    sub = exhaustive_search(run, tuple(range(1, 9)), 3, per_sample=1, rescore=20)
+    assert sub.best == full.best
+    assert sub.best_entropy == pytest.approx(full.best_entropy, abs=1e-12)
+
+
+def test_baselines():
+    pool = tuple(range(1, 31))
+    assert baseline("eagle3", 30, 3, pool) == (2, 15, 27)
+    assert baseline("eagle2", 30, 1, pool) == (30,)
+    assert baseline("uniform", 30, 3, pool) == (10, 20, 30)
+    assert baseline("eagle3", 18, 3, tuple(range(1, 19))) == (2, 9, 15)
+    for n in (3, 4, 5, 6):
+        with pytest.raises(ValueError, match="collides"):
+            baseline("eagle3", n, 3, tuple(range(1, n + 1)))
+
+
+def test_selection_entropy_equals_score_and_is_saved(tiny_run, capsys):
+    assert main(["select", "--run", str(tiny_run), "--method", "elsi", "--m", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    layers = ",".join(map(str, res["layers"]))
+    assert main(["score", "--run", str(tiny_run), "--layers", layers, "--json"]) == 0
+    sc = json.loads(capsys.readouterr().out)
+    assert res["entropy"] == sc["entropy"]
+    assert res["entropy_normalized"] == pytest.approx(sc["entropy"] / math.log(8))
+    saved = json.loads((tiny_run / "selections.json").read_text())
+    assert saved["chosen"]["layers"] == res["layers"]
+
+
+def test_select_all_table(tiny_run, capsys):
+    assert main(["select", "--run", str(tiny_run), "--method", "all", "--search-blocks", "0"]) == 0
+    out = capsys.readouterr().out
+    for method in ("elsi", "elsi-c", "exhaustive", "low-entropy", "uniform", "eagle2", "eagle3"):
+        assert f"| {method} " in out
+    saved = json.loads((tiny_run / "selections.json").read_text())
+    ex = {r["m"]: r for r in saved["results"] if r["method"] == "exhaustive"}
+    for r in saved["results"]:
+        assert r["rank"] >= 1 and r["gap"] >= -1e-12
+        assert r["optimum"]["entropy"] == ex[r["m"]]["entropy"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--m", "0"], "m must be >= 1"),
+    (["--m", "9"], "m must be in 1..8"),
+    (["--pool", "2,2"], "repeated"),
+    (["--pool", "0-12"], "out of range 0..8"),
+    (["--pool", "1,2", "--m", "1"], "no pool layer lies in the second half"),
+])
+def test_bad_select_input_is_a_clear_error(tiny_run, capsys, args, msg):
+    assert main(["select", "--run", str(tiny_run), *args]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_score_rejects_bad_layers(tiny_run, capsys):
+    assert main(["score", "--run", str(tiny_run), "--layers", "3,99"]) == 2
+    assert "[99] out of range" in capsys.readouterr().err
+    assert main(["score", "--run", str(tiny_run), "--layers", "2,x"]) == 2
+    assert "'x' is not an id" in capsys.readouterr().err
+
+
+def test_export_numbering_per_runtime():
+    v = export_fragment((27, 2, 15), 30, "vllm")
+    assert v["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    for fmt in ("sglang", "specforge"):
+        f = export_fragment((2, 15, 27), 30, fmt)
+        assert f["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 14, 26], "use_aux_hidden_state": True}
+        assert "id - 1" in f["_elsi_note"]
+    with pytest.raises(ValueError, match=r"\[30\] cannot be exported"):
+        export_fragment((2, 30), 30, "vllm")
+    with pytest.raises(ValueError, match=r"\[0\] cannot be exported"):
+        export_fragment((0, 5), 30, "sglang")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        export_fragment((2, 15), 30, "vllm")
+    assert any("hard-code 3" in str(x.message) for x in w)
