@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/elsi analyze --out $(RUN_DIR)
 	$(BIN)/elsi select --run $(RUN_DIR) --method all
+	$(BIN)/elsi report $(RUN_DIR)
 
 test: setup
 	$(BIN)/pytest -q

@@ -81,3 +81,20 @@ def tiny_run(tiny_target, tiny_data, tmp_path_factory) -> Path:
     collect(tiny_target, load_dataset(str(tiny_data)), cfg, run_dir)
     analyze_run(run_dir, AnalysisConfig())
     return run_dir
+
+
+def make_tiny_gemma3(num_layers: int = 4, hidden: int = 32, seed: int = 0):
+    """A tiny random Gemma-3 text model (sliding and full attention layers)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from elsi.models import Target, adapter_for
+
+    tok = make_tokenizer()
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16, sliding_window=16, max_position_embeddings=1024,
+                           layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Gemma3ForCausalLM(cfg).eval()
+    return Target("tiny-gemma3", "memory", model, tok, adapter_for(model), num_layers, hidden)

@@ -175,3 +175,17 @@ def test_short_samples_are_skipped_and_counted(tiny_target, tmp_path):
     assert man["counts"]["samples_used"] == 1
     assert man["counts"]["samples_skipped"] == {"empty": 2, "too_short": 1}
     assert "note" in man["counts"]
+
+
+def test_collection_on_tiny_gemma3(tiny_data, tmp_path):
+    from conftest import make_tiny_gemma3
+
+    target = make_tiny_gemma3()
+    assert target.adapter.name == "gemma3"
+    assert target.adapter.layer_types(target.model)[-1] == "full_attention"
+    cfg = CollectConfig(model="tiny-gemma3", data=str(tiny_data), samples=3, max_tokens=96, block=8)
+    man = collect(target, load_dataset(str(tiny_data)), cfg, tmp_path / "g")
+    run = GramRun(tmp_path / "g")
+    assert run.num_layers == 4 and run.packed.shape[1:] == (5, 36)
+    assert man["counts"]["samples_used"] == 3
+    assert 0 < run.entropy((1, 4)).normalized <= 1
