@@ -13,17 +13,22 @@ import re
 from pathlib import Path
 
 from elsi.report import figures, page
+from elsi.select.run import SELECTIONS
+from elsi.select.search import baseline
 
 REPORT_DIR = "report"
 COMPARE_DIR = "report-compare"
-SELECTIONS = "selections.json"
 METHOD_ORDER = ("elsi", "elsi-c", "exhaustive", "eagle3", "eagle2", "uniform", "low-entropy")  # table order within m
 
 
 def baseline_layers(num_layers: int) -> dict[str, list[int]]:
-    """The EAGLE baselines in hidden-state ids: eagle2 = {N}, eagle3 = {2, N//2, N-3} (DESIGN.md)."""
-    n = num_layers
-    return {"eagle2": [n], "eagle3": sorted({2, n // 2, n - 3})}
+    """The EAGLE baselines in hidden-state ids (eagle3 left out where [2, N//2, N-3] collides)."""
+    out = {"eagle2": list(baseline("eagle2", num_layers, 1, ()))}
+    try:
+        out["eagle3"] = sorted(baseline("eagle3", num_layers, 3, ()))
+    except ValueError:
+        pass  # N < 7: no distinct eagle3 set to mark
+    return out
 
 
 def _read(path: Path) -> dict:

@@ -146,8 +146,9 @@ def summary(run: dict) -> str:
     e3_txt = f"eagle3 {fmt_layers(e3['layers'])} has H = {fmt(e3.get('entropy'))} nats" if e3 else ""
     if not c:
         return (f"{a['model']}: no layer selection yet ({SELECT_HINT.format(dir=run['dir'])}); "
-                f"baselines from N = {a['num_layers']}: eagle2 {fmt_layers(run['marks']['eagle2'])}, "
-                f"eagle3 {fmt_layers(run['marks']['eagle3'])}" + (f"; {e3_txt}." if e3_txt else "."))
+                f"baselines from N = {a['num_layers']}: "
+                + ", ".join(f"{k} {fmt_layers(v)}" for k, v in run["marks"].items() if k in ("eagle2", "eagle3"))
+                + (f"; {e3_txt}." if e3_txt else "."))
     r = by.get((c["method"], c["m"]), {})
     txt = (f"{a['model']}: {c['method']} chose layers {fmt_layers(c['layers'])} (m = {c['m']}), "
            f"H = {fmt(r.get('entropy'))} nats ({fmt(r.get('entropy_normalized'))} of log B)")
