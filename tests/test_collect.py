@@ -100,7 +100,7 @@ def test_resume_after_ctrl_c_and_kill_gives_identical_run(tiny_target, tiny_data
         collect(tiny_target, ds, _cfg(tiny_data), run_dir, on_progress=ctrl_c_after_3, flush_every=100)
     man = json.loads((run_dir / MANIFEST).read_text())
     assert man["status"] == "collecting"
-    assert len(list((run_dir / "shards").glob("*.safetensors"))) == 1  # Ctrl-C flushed 3 samples
+    assert len(list((run_dir / "shards").glob("rank-0/shard-*.safetensors"))) == 1  # Ctrl-C flushed 3 samples
 
     def kill_at_4(p):
         if p.samples_done == 4:

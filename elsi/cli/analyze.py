@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from elsi.cli.common import Command, Runtime, print_json, table
+from elsi.cli.common import Command, Runtime, is_main_process, print_json, table
 from elsi.collect.collector import CollectConfig, Progress, collect, existing_run
 from elsi.collect.store import read_json
 from elsi.config import opt
@@ -35,8 +35,9 @@ def analyze(ccfg: CollectConfig, acfg: AnalysisConfig, dest: AnalyzeOutput, rt: 
     man = existing_run(run_dir, ccfg)
     if man is None or man.get("status") != "complete":
         dataset = load_dataset(ccfg.data)
-        target = load_target(ccfg.model, device, dtype, rt.trust_remote_code)
-        bar = tqdm(total=ccfg.samples, desc="collect", unit="sample", file=sys.stderr, dynamic_ncols=True)
+        target = load_target(ccfg.model, device, dtype, rt.trust_remote_code, rt.device_map or None)
+        bar = tqdm(total=ccfg.samples, desc="collect", unit="sample", file=sys.stderr, dynamic_ncols=True,
+                   disable=not is_main_process())
 
         def show(p: Progress) -> None:
             if bar.n == 0 and p.resumed:
@@ -46,6 +47,8 @@ def analyze(ccfg: CollectConfig, acfg: AnalysisConfig, dest: AnalyzeOutput, rt: 
 
         man = collect(target, dataset, ccfg, run_dir, on_progress=show)
         bar.close()
+    if not is_main_process():
+        return 0  # rank 0 merged the shards; it computes and prints the statistics
     old = run_dir / ANALYSIS
     prev = read_json(old).get("settings", {}) if old.exists() else {}
     if not old.exists() or any(prev.get(k) != v for k, v in acfg.__dict__.items()):

@@ -31,21 +31,39 @@ class Command:
 class Runtime:
     """Where and how the target runs."""
 
-    device: str = opt("auto", "cuda, cpu, or auto (CUDA when present)")
+    device: str = opt("auto", "cuda, cpu, or auto (CUDA when present; under torchrun: cuda:LOCAL_RANK)")
+    device_map: str = opt("", "Hugging Face device map for a target larger than one device, e.g. auto")
     dtype: str = opt("float32", "weights dtype of the target", choices=tuple(DTYPES))
     threads: int = opt(0, "CPU threads for torch (0 = torch's default)")
     trust_remote_code: bool = opt(False, "allow model code from the hub (off unless asked)")
 
     def setup(self) -> tuple[torch.device, torch.dtype]:
-        """Resolve device and dtype once at the entry point; quiet library chatter."""
+        """Resolve device and dtype once at the entry point; join torchrun's process group;
+        quiet library chatter."""
         if self.threads > 0:
             torch.set_num_threads(self.threads)
+        device = resolve_device(self.device)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            if device.type == "cuda" and self.device == "auto":
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(device)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        return resolve_device(self.device), DTYPES[self.dtype]
+        return device, DTYPES[self.dtype]
+
+
+def is_main_process() -> bool:
+    """Rank 0 (or no torch.distributed): the process that prints and writes reports."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def build_configs(cmd: Command, ns: argparse.Namespace) -> list:

@@ -108,13 +108,29 @@ def start_manifest(run_dir: Path, cfg: CollectConfig, target: Target) -> dict:
     return man
 
 
-def _forward(target: Target, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward: logits (T, V) and all hidden states (N+1, T, d)."""
+def _forward(target: Target, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward: logits (T, V) and the N+1 hidden states, each (T, d) on its own device
+    (with ``--device-map auto`` the layers of one model live on several devices)."""
     x = torch.tensor([ids], device=target.device)  # (1, T)
     with torch.inference_mode():
         out = target.model(input_ids=x, output_hidden_states=True, use_cache=False)
-    hidden = torch.stack([h[0] for h in out.hidden_states])  # (N+1, T, d)
-    return out.logits[0], hidden
+    return out.logits[0], [h[0] for h in out.hidden_states]
+
+
+def dist_info() -> tuple[int, int]:
+    """(rank, world size) under torch.distributed (torchrun), else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def collect(
@@ -130,11 +146,19 @@ def collect(
 
     A complete run is returned as is. Samples are drawn in the seed's order; a sample
     too short for one full block after filtering is skipped before any forward pass.
+    Under torch.distributed, rank r forwards the samples at positions p with
+    p % world == r and rank 0 merges every rank's shards in sample order, so the run
+    equals the single-process one.
     """
-    man = existing_run(run_dir, cfg) or start_manifest(run_dir, cfg, target)
+    rank, world = dist_info()
+    if rank == 0:
+        man = existing_run(run_dir, cfg) or start_manifest(run_dir, cfg, target)
+    _barrier()
+    if rank != 0:
+        man = existing_run(run_dir, cfg)
     if man.get("status") == "complete" and (run_dir / GRAMS).exists():
         return man
-    store = ShardStore(run_dir)
+    store = ShardStore(run_dir, rank)
     done = store.done()
     done_idx = {r["index"] for r in done}
     skipped: Counter = Counter(dataset.skipped)
@@ -162,12 +186,12 @@ def collect(
             if kept_count(len(ids), cfg.rho) < cfg.block:
                 skipped["too_short"] += 1
                 continue
-            seen += 1
-            if idx in done_idx:
-                continue  # finished in an earlier invocation
+            position, seen = seen, seen + 1
+            if idx in done_idx or position % world != rank:
+                continue  # finished in an earlier invocation, or another rank's sample
             logits, hidden = _forward(target, ids)
             ent = token_entropy(logits)  # (T,)
-            record = {"index": idx, "id": sample.id, "tokens": len(ids)}
+            record = {"position": position, "index": idx, "id": sample.id, "tokens": len(ids)}
             for v, rho in zip(VARIANTS, (cfg.rho, 0.0)):
                 pos = filter_positions(ent, rho)  # (kept,)
                 blocks = blocks_of(pos, cfg.block)  # (nb, B)
@@ -191,7 +215,11 @@ def collect(
         flush()  # keep every finished sample
         raise
     flush()
-    return _finish(run_dir, man, store, skipped)
+    _barrier()
+    if rank == 0:
+        man = _finish(run_dir, man, store, skipped)
+    _barrier()
+    return man if rank == 0 else read_json(run_dir / MANIFEST)
 
 
 def _finish(run_dir: Path, man: dict, store: ShardStore, skipped: Counter) -> dict:
@@ -217,7 +245,5 @@ def _finish(run_dir: Path, man: dict, store: ShardStore, skipped: Counter) -> di
     if len(records) < man["settings"]["samples"]:
         man["counts"]["note"] = f"the data had only {len(records)} usable samples of {man['settings']['samples']} asked"
     write_json(run_dir / MANIFEST, man)
-    for path in store.shards():
-        path.unlink()
-    store.dir.rmdir()
+    store.remove()
     return man

@@ -95,22 +95,25 @@ def diag_index(block: int) -> torch.Tensor:
     return torch.nonzero(i == j).squeeze(-1)
 
 
-def block_grams(hidden: torch.Tensor, blocks: torch.Tensor, normalize: str) -> tuple[torch.Tensor, torch.Tensor]:
+def block_grams(hidden: list[torch.Tensor], blocks: torch.Tensor, normalize: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Gram matrices and the normalised block sums of one sample.
 
-    hidden: (L, T, d) all hidden states of the sample (L = N + 1 ids).
+    hidden: the L = N + 1 hidden states of the sample, each (T, d) (on any device; the
+            Gram is formed there and only the packed B×B result moves to the host).
     blocks: (nb, B) positions.
     Returns ``grams`` (nb, L, P) float32 packed (P = B(B+1)/2) and ``block_sum``
     (L, B, d) float64, the sum over this sample's blocks of the normalised states
     (for the ``mean-block`` aggregate).
     """
     nb, bsz = blocks.shape
-    num_l, _, d = hidden.shape
+    d = hidden[0].shape[-1]
+    grams = torch.empty(nb, len(hidden), bsz * (bsz + 1) // 2, dtype=torch.float32)  # (nb, L, P)
+    sums = torch.zeros(len(hidden), bsz, d, dtype=torch.float64)  # (L, B, d)
     if nb == 0:
-        return hidden.new_zeros(0, num_l, bsz * (bsz + 1) // 2), hidden.new_zeros(num_l, bsz, d, dtype=torch.float64)
-    z = hidden[:, blocks.to(hidden.device).reshape(-1)]  # (L, nb*B, d)
-    z = z.reshape(num_l, nb, bsz, d).double()  # (L, nb, B, d)
-    z = normalize_blocks(z, normalize)
-    g = z @ z.transpose(-1, -2)  # (L, nb, B, B)
-    grams = pack(g).transpose(0, 1).float().cpu()  # (nb, L, P)
-    return grams, z.sum(dim=1).cpu()  # (L, B, d)
+        return grams, sums
+    for layer, h in enumerate(hidden):
+        z = h[blocks.to(h.device).reshape(-1)].reshape(nb, bsz, d).double()  # (nb, B, d)
+        z = normalize_blocks(z, normalize)
+        grams[:, layer] = pack(z @ z.transpose(-1, -2)).float().cpu()  # (nb, P)
+        sums[layer] = z.sum(0).cpu()
+    return grams, sums

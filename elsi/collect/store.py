@@ -68,26 +68,35 @@ def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
 
 
 class ShardStore:
-    """Append-only shards of finished samples; each shard is one atomic file."""
+    """Append-only shards of finished samples; each shard is one atomic file.
 
-    def __init__(self, run_dir: Path):
-        self.dir = run_dir / "shards"
+    Each process (rank) writes its own folder ``shards/rank-R``; reading and merging
+    look at every rank's shards, so a run can be resumed with another number of
+    processes. Every sample record holds its ``position`` in the run's sample order,
+    and the merge follows that order: a run made by several processes equals the
+    single-process run.
+    """
+
+    def __init__(self, run_dir: Path, rank: int = 0):
+        self.root = run_dir / "shards"
+        self.dir = self.root / f"rank-{rank}"
 
     def shards(self) -> list[Path]:
-        return sorted(self.dir.glob("shard-*.safetensors")) if self.dir.exists() else []
+        """Every rank's shards."""
+        return sorted(self.root.glob("rank-*/shard-*.safetensors")) if self.root.exists() else []
 
     def done(self) -> list[dict]:
-        """Per-sample records of every finished sample, in collection order."""
+        """Per-sample records of every finished sample, in the run's sample order."""
         out = []
         for path in self.shards():
             _, meta = load_tensors(path)
             out.extend(meta["samples"])
-        return out
+        return sorted(out, key=lambda r: r["position"])
 
     def write(self, records: list[dict], parts: dict[str, list[torch.Tensor]], sums: dict[str, torch.Tensor]) -> Path:
         """Write one shard: ``records`` (one per sample), its blocks' Grams and block sums."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"shard-{len(self.shards()):05d}.safetensors"
+        path = self.dir / f"shard-{len(list(self.dir.glob('shard-*.safetensors'))):05d}.safetensors"
         tensors = {}
         for v in VARIANTS:
             tensors["grams" + v] = torch.cat(parts["grams" + v])
@@ -97,18 +106,29 @@ class ShardStore:
         return path
 
     def merge(self) -> dict[str, torch.Tensor]:
-        """All shards as one tensor dict with run-wide ``block_sample`` indices."""
-        out: dict[str, list[torch.Tensor]] = {}
+        """All shards as one tensor dict, blocks in sample order, run-wide ``block_sample``."""
+        per_sample: dict[int, dict[str, torch.Tensor]] = {}  # position -> that sample's grams
         sums: dict[str, torch.Tensor] = {}
-        offset = 0
         for path in self.shards():
             t, meta = load_tensors(path)
+            for local, rec in enumerate(meta["samples"]):
+                per_sample[rec["position"]] = {v: t["grams" + v][t["block_local" + v] == local] for v in VARIANTS}
             for v in VARIANTS:
-                out.setdefault("grams" + v, []).append(t["grams" + v])
-                out.setdefault("block_sample" + v, []).append(t["block_local" + v] + offset)
-                s = t["block_sum" + v]
-                sums["block_sum" + v] = s if ("block_sum" + v) not in sums else sums["block_sum" + v] + s
-            offset += len(meta["samples"])
-        merged = {k: torch.cat(v) for k, v in out.items()}
+                key = "block_sum" + v
+                sums[key] = t[key] if key not in sums else sums[key] + t[key]
+        order = sorted(per_sample)
+        merged = {}
+        for v in VARIANTS:
+            grams = [per_sample[p][v] for p in order]  # each (nb_s, N+1, P)
+            merged["grams" + v] = torch.cat(grams)
+            merged["block_sample" + v] = torch.cat(
+                [torch.full((g.shape[0],), i, dtype=torch.int64) for i, g in enumerate(grams)])
         merged.update(sums)
         return merged
+
+    def remove(self) -> None:
+        for path in self.shards():
+            path.unlink()
+        for d in sorted(self.root.glob("rank-*")):
+            d.rmdir()
+        self.root.rmdir()

@@ -64,7 +64,8 @@ class Target:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go: the device of the input embeddings."""
+        return self.model.get_input_embeddings().weight.device
 
 
 def _convert_gguf(gguf: Path) -> Path:
@@ -119,14 +120,22 @@ def load_target(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
+    device_map: str | None = None,
 ) -> Target:
-    """Load the target model and tokenizer in eval mode on ``device``."""
+    """Load the target model and tokenizer in eval mode on ``device``.
+
+    With ``device_map`` (e.g. "auto") Hugging Face places the layers over the available
+    devices instead; inputs then go to the embedding's device.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(spec)
     tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
-    model.to(device).eval()
+    extra = {"device_map": device_map} if device_map else {}
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code, **extra)
+    if not device_map:
+        model.to(device)
+    model.eval()
     adapter = adapter_for(model)
     return Target(
         name=spec,
