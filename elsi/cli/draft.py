@@ -1,0 +1,106 @@
+"""``elsi train-draft`` (target features -> EAGLE3 draft) and ``elsi eval-draft`` (Spec-Bench, offline)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from tqdm import tqdm
+
+from elsi.cli.common import Command, Runtime, print_json, table
+from elsi.data import load_dataset
+from elsi.draft.evaluate import EvalConfig, evaluate_draft, greedy_answers, trained_depth
+from elsi.draft.features import FeatureConfig, Progress as FeatureProgress, build_features, parse_layers
+from elsi.draft.model import Eagle3Draft
+from elsi.draft.train import Progress, TrainConfig, parse_duration, train_draft
+from elsi.models import load_target
+
+
+def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
+    device, dtype = rt.setup()
+    torch.manual_seed(fcfg.seed)  # the one global seed (HF internals); the draft's own randomness is injected
+    target = load_target(fcfg.model, device, dtype, rt.trust_remote_code)
+    layers = parse_layers(tcfg.layers, target.num_layers)
+    dataset = load_dataset(fcfg.data)
+
+    bar = tqdm(total=fcfg.samples, desc="target features", unit="sample", file=sys.stderr, dynamic_ncols=True)
+
+    def show_features(p: FeatureProgress) -> None:
+        bar.n = p.samples_done
+        bar.set_postfix_str(f"{p.stage}, {p.tokens / max(p.elapsed_s, 1e-9):.0f} tok/s", refresh=True)
+
+    store = build_features(target, dataset, fcfg, layers, on_progress=show_features)
+    bar.n = min(len(store), fcfg.samples)
+    bar.refresh()
+    bar.close()
+    print(f"features: {min(len(store), fcfg.samples)} conversations, {store.num_tokens} tokens cached in {store.path}",
+          file=sys.stderr)
+
+    budget = parse_duration(tcfg.time_budget)
+    tbar = tqdm(total=None if budget == float("inf") else int(budget), desc="train", unit="s", file=sys.stderr,
+                dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt}s [{postfix}]")
+    held = [None]
+
+    def show(p: Progress) -> None:
+        if p.note:
+            tbar.write(p.note)
+            return
+        if p.heldout_acc is not None:
+            held[0] = p.heldout_acc
+        tbar.n = min(p.elapsed_s, tbar.total or p.elapsed_s)
+        h = f" held {held[0]:.3f}" if held[0] is not None else ""
+        tbar.set_postfix_str(f"step {p.step} ep {p.epoch:.2f} loss {p.loss:.3f} acc {p.acc:.3f}{h} "
+                             f"lr {p.lr:.1e} {p.tokens / max(p.elapsed_s, 1e-9):.0f} tok/s", refresh=False)
+        tbar.refresh()
+
+    rec = train_draft(target, store, tcfg, fcfg.seed, device, samples=fcfg.samples, on_progress=show)
+    tbar.close()
+    h = rec["heldout"]
+    rows = [[d, f"{m:.4f}", f"{mi:.4f}", f"{l:.3f}"] for d, m, mi, l in
+            zip(h["depth"], h["match"], h["match_in_vocab"], h["loss"])]
+    print(table(rows, ["depth", "top-1 match", "match (in vocab)", "loss"]))
+    print(f"held-out: chain acceptance length {h['accept_length_chain']:.3f} "
+          f"(product formula {h['accept_length_product']:.3f}); "
+          f"{rec['steps']} steps, {rec['epochs']:.2f} epochs, {rec['train_tokens_per_s']:.0f} training tokens/s")
+    print(f"wrote {tcfg.out}/model.safetensors, config.json, training.json")
+    return 0
+
+
+def evaluate(cfg: EvalConfig, rt: Runtime) -> int:
+    device, dtype = rt.setup()
+    target = load_target(cfg.model, device, dtype, rt.trust_remote_code)
+    draft = Eagle3Draft.from_pretrained(cfg.draft, target.adapter.embed_tokens(target.model))
+    depth = cfg.depth or trained_depth(cfg.draft)
+    bar = tqdm(desc="target answers", unit="turn", file=sys.stderr, dynamic_ncols=True)
+
+    def show(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    answers = greedy_answers(target, cfg, on_progress=show)
+    bar.close()
+    res = evaluate_draft(target, draft, answers, depth)
+    res.update({"model": cfg.model, "draft": cfg.draft, "questions_per_subtask": cfg.questions})
+    if cfg.json:
+        print_json(res)
+        return 0
+    names = list(res["subtasks"]) + ["all"]
+    rows = []
+    for name in names:
+        r = res["subtasks"][name] if name != "all" else res["all"]
+        rows.append([name, *(f"{m:.3f}" for m in r["match"]), f"{r['accept_length_chain']:.3f}",
+                     f"{r['accept_length_product']:.3f}"])
+    print(table(rows, ["subtask", *(f"d{d}" for d in range(1, depth + 1)), "tau (chain)", "tau (product)"]))
+    print(json.dumps({"draft": cfg.draft, "depth1_match": res["all"]["match"][0],
+                      "accept_length_chain": res["all"]["accept_length_chain"]}))
+    return 0
+
+
+COMMANDS = [
+    Command("train-draft", "train an EAGLE3-style draft on any target layer set (features cached on disk)",
+            (FeatureConfig, TrainConfig, Runtime), train),
+    Command("eval-draft", "teacher-forced draft match rates and chain acceptance length on Spec-Bench",
+            (EvalConfig, Runtime), evaluate),
+]

@@ -1,0 +1,356 @@
+"""Target features for draft training, computed once and cached on disk.
+
+One target forward per sample gives, per token position t:
+- ``ids``: the token x_t (int32);
+- ``argmax``: the target's greedy next token at t over its full vocabulary (int32);
+- ``final``: the input of the target's LM head at t, (d,) float16, from which the soft labels
+  on any draft vocabulary are recomputed exactly (``label_logits``);
+- ``states``: the hidden states at the cached layer ids, (L, d) float16.
+
+The cache directory is keyed by model, data and settings (max tokens, seed, regeneration),
+not by the number of samples: a longer run extends it and a shorter one reads its prefix.
+It stores the union of layers it was built with (``FeatureConfig.cache_layers``); asking a
+layer it does not hold is a clear error. Storage: shards of ``.npy`` files read by memory
+map, and ``features.json`` listing the samples (written after each shard: resumable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from elsi.config import opt
+from elsi.data.conversations import Dataset, Sample, iter_tokenized, render, tokenize
+from elsi.models.load import Target, cache_dir
+
+MANIFEST = "features.json"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """Training data: conversations and the target's features on them."""
+
+    model: str = opt("smollm2-135m", "target model: alias, HF directory, .gguf file or hub id")
+    data: str = opt("sharegpt", "conversations: 'sharegpt', a ShareGPT .json or a .jsonl file")
+    samples: int = opt(2000, "number of conversations (train + held-out)")
+    max_tokens: int = opt(1024, "tokens per conversation (longer ones are cut)")
+    seed: int = opt(0, "seed of the sample order, the split and the draft's initialisation")
+    regenerate: bool = opt(False, "let the target write the assistant turns itself (greedy), as EAGLE3 does")
+    regen_max_new: int = opt(256, "with --regenerate: most new tokens per assistant turn")
+    regen_batch: int = opt(8, "with --regenerate: conversations generated together")
+    cache_layers: str = opt("", "layer ids to cache (default: --layers); give the union to reuse the cache for several drafts")
+    features_dir: str = opt("", "feature cache directory (default: $ELSI_CACHE/draft_features/<key>)")
+    forward_batch: int = opt(1, "samples per target forward when computing features")
+
+    def __post_init__(self) -> None:
+        if self.samples < 2:
+            raise ValueError(f"samples must be >= 2 (train + held-out), got {self.samples}")
+        if self.max_tokens < 4:
+            raise ValueError(f"max_tokens must be >= 4, got {self.max_tokens}")
+
+    def key(self, target_source: str) -> str:
+        """Cache key: what determines the features, except the sample count and layers."""
+        what = {"format": FORMAT, "model": target_source, "data": self.data, "max_tokens": self.max_tokens,
+                "seed": self.seed, "regenerate": self.regenerate,
+                "regen_max_new": self.regen_max_new if self.regenerate else None}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def parse_layers(spec: str | Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """'2,15,27' (ranges 'a-b' allowed) -> sorted ids, each checked against 0..N."""
+    if isinstance(spec, str):
+        out: list[int] = []
+        for part in (p.strip() for p in spec.split(",")):
+            if not part:
+                continue
+            try:
+                if "-" in part[1:]:
+                    a, b = part.split("-", 1)
+                    out.extend(range(int(a), int(b) + 1))
+                else:
+                    out.append(int(part))
+            except ValueError as err:
+                raise ValueError(f"bad layer id {part!r} in {spec!r}: use e.g. 2,15,27 or 10-12") from err
+    else:
+        out = [int(l) for l in spec]
+    if not out:
+        raise ValueError(f"no layer id in {spec!r}")
+    bad = [l for l in out if not 0 <= l <= num_layers]
+    if bad:
+        raise ValueError(f"layer id(s) {bad} out of range: the target has hidden-state ids 0..{num_layers}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"layer set {spec!r} repeats a layer")
+    return tuple(sorted(out))
+
+
+@dataclass
+class Progress:
+    samples_done: int
+    samples_total: int
+    tokens: int
+    elapsed_s: float
+    stage: str  # "regenerate" | "forward"
+
+
+class FeatureStore:
+    """Read access to a feature cache directory (memory-mapped shards)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not (self.path / MANIFEST).is_file():
+            raise FileNotFoundError(f"{self.path} holds no target features ({MANIFEST} missing)")
+        self.manifest = json.loads((self.path / MANIFEST).read_text())
+        self.layers: tuple[int, ...] = tuple(self.manifest["layers"])
+        self.samples: list[dict] = self.manifest["samples"]
+        self._shards: dict[int, dict[str, np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s["length"] for s in self.samples)
+
+    def layer_index(self, layers: Sequence[int]) -> list[int]:
+        """Positions of ``layers`` in the cached layer axis; a clear error for missing ones."""
+        missing = [l for l in layers if l not in self.layers]
+        if missing:
+            want = sorted(set(self.layers) | set(layers))
+            raise ValueError(
+                f"the feature cache {self.path} holds layers {list(self.layers)}; layer(s) {missing} are not in it. "
+                f"Delete it or choose another --features-dir, and cache the union with "
+                f"--cache-layers {','.join(map(str, want))}")
+        return [self.layers.index(l) for l in layers]
+
+    def _shard(self, k: int) -> dict[str, np.ndarray]:
+        if k not in self._shards:
+            self._shards[k] = {name: np.load(self.path / f"shard{k:05d}.{name}.npy", mmap_mode="r")
+                               for name in ("ids", "argmax", "final", "states")}
+        return self._shards[k]
+
+    def argmax(self, index: int) -> torch.Tensor:
+        """The target's greedy next tokens of sample ``index`` (T,) int64."""
+        s = self.samples[index]
+        return torch.from_numpy(self._shard(s["shard"])["argmax"][s["offset"]: s["offset"] + s["length"]].astype(np.int64))
+
+    def sample(self, index: int, layer_pos: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Sample ``index``: ids (T,) int64, argmax (T,) int64, final (T, d) fp16, aux (T, m·d) fp16."""
+        s = self.samples[index]
+        sh = self._shard(s["shard"])
+        a, b = s["offset"], s["offset"] + s["length"]
+        states = torch.from_numpy(np.array(sh["states"][a:b][:, layer_pos]))  # (T, m, d)
+        return {
+            "ids": torch.from_numpy(sh["ids"][a:b].astype(np.int64)),  # (T,)
+            "argmax": torch.from_numpy(sh["argmax"][a:b].astype(np.int64)),  # (T,)
+            "final": torch.from_numpy(np.array(sh["final"][a:b])),  # (T, d)
+            "aux": states.flatten(1),  # (T, m·d)
+        }
+
+
+def features_dir_for(cfg: FeatureConfig, target: Target) -> Path:
+    return Path(cfg.features_dir) if cfg.features_dir else cache_dir() / "draft_features" / cfg.key(target.source)
+
+
+@torch.no_grad()
+def regenerate_batch(target: Target, samples: Sequence[Sample], max_tokens: int, max_new: int) -> list[Sample]:
+    """The samples with every assistant turn rewritten by the target (greedy), turn by turn.
+
+    A conversation stops growing once its prompt reaches ``max_tokens``; later turns are dropped.
+    """
+    tok, model, device = target.tokenizer, target.model, target.device
+    convs: list[list[tuple[str, str]]] = [[m for m in s.messages if m[0] == "system"] for s in samples]
+    users = [[c for r, c in s.messages if r == "user"] for s in samples]
+    alive = [s.text is None for s in samples]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for turn in range(max(len(u) for u in users)):
+        rows, prompts = [], []
+        for k, s in enumerate(samples):
+            if not alive[k] or turn >= len(users[k]):
+                continue
+            convs[k].append(("user", users[k][turn]))
+            text = render(Sample(s.id, tuple(convs[k])), tok, add_generation_prompt=True)
+            ids = tok(text, add_special_tokens=not getattr(tok, "chat_template", None))["input_ids"]
+            if len(ids) >= max_tokens - 1:
+                alive[k] = False
+                continue
+            rows.append(k)
+            prompts.append(ids)
+        if not rows:
+            break
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (R, W) left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # (R, W)
+        new = min(max_new, max_tokens - min(map(len, prompts)))
+        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             pad_token_id=pad)
+        for k, p, seq in zip(rows, prompts, out[:, width:].tolist()):
+            seq = seq[: max(1, max_tokens - len(p))]
+            if tok.eos_token_id in seq:
+                seq = seq[: seq.index(tok.eos_token_id)]
+            convs[k].append(("assistant", tok.decode(seq, skip_special_tokens=True).strip() or "..."))
+    return [Sample(s.id, tuple(c)) if s.text is None else s for s, c in zip(samples, convs)]
+
+
+def label_logits(target: Target, final: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Target logits from cached LM-head inputs ``final`` (..., d), restricted to ``vocab_ids`` (V',)."""
+    head = target.model.get_output_embeddings()
+    w = head.weight if vocab_ids is None else head.weight[vocab_ids]  # (V', d)
+    logits = final.to(w.dtype) @ w.T  # (..., V')
+    if getattr(head, "bias", None) is not None:
+        logits = logits + (head.bias if vocab_ids is None else head.bias[vocab_ids])
+    cap = getattr(target.model.config.get_text_config(), "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+@torch.no_grad()
+def target_features(target: Target, batch: Sequence[list[int]], layers: Sequence[int]):
+    """One target forward on a batch of token lists -> per sample (argmax (T,), final (T, d), states (T, L, d))."""
+    device = target.device
+    width = max(map(len, batch))
+    ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)  # (B, W) right-padded
+    mask = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+    for k, seq in enumerate(batch):
+        ids[k, : len(seq)] = torch.tensor(seq, device=device)
+        mask[k, : len(seq)] = 1
+    out = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    hs = out.hidden_states  # N+1 of (B, W, d)
+    final = hs[-1]  # (B, W, d): LM-head input (after the final norm)
+    states = torch.stack([hs[l] for l in layers], dim=2)  # (B, W, L, d)
+    argmax = out.logits.argmax(-1)  # (B, W)
+    res = []
+    for k, seq in enumerate(batch):
+        t = len(seq)
+        res.append((argmax[k, :t].cpu(), final[k, :t].half().cpu(), states[k, :t].half().cpu()))
+    return res
+
+
+def build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers: Sequence[int],
+                   on_progress: Callable[[Progress], None] | None = None, shard_samples: int = 32) -> FeatureStore:
+    """Compute (or extend, or reuse) the feature cache for ``cfg`` and return it.
+
+    ``layers``: the draft's layers; the cache holds ``cfg.cache_layers`` (default ``layers``),
+    which must include them. An existing cache must hold them too.
+    """
+    want = parse_layers(cfg.cache_layers or list(layers), target.num_layers)
+    path = features_dir_for(cfg, target)
+    if (path / MANIFEST).is_file():
+        store = FeatureStore(path)
+        store.layer_index(layers)  # a clear error if the draft's layers are missing
+        if cfg.cache_layers and set(want) - set(store.layers):
+            store.layer_index(want)
+        if store.manifest.get("complete_for", 0) >= cfg.samples or store.manifest.get("exhausted"):
+            return store
+        man = store.manifest
+    else:
+        missing = [l for l in layers if l not in want]
+        if missing:
+            raise ValueError(f"--cache-layers {list(want)} must include the draft's layers; missing {missing}")
+        man = {"format": FORMAT, "settings": {"model": cfg.model, "source": target.source, "data": cfg.data,
+                                             "max_tokens": cfg.max_tokens, "seed": cfg.seed,
+                                             "regenerate": cfg.regenerate, "regen_max_new": cfg.regen_max_new},
+               "layers": list(want), "hidden_size": target.hidden_size, "num_layers": target.num_layers,
+               "samples": [], "skipped": {}, "next_order": 0, "complete_for": 0, "seconds": 0.0}
+    path.mkdir(parents=True, exist_ok=True)
+    cached_layers = man["layers"]
+    done = len(man["samples"])
+    t0 = t_begin = time.perf_counter()
+    tokens = 0
+    stream = iter_tokenized(dataset, target.tokenizer, cfg.max_tokens, cfg.seed)
+    order_pos = 0
+    pending: list[tuple[Sample, list[int]]] = []  # (sample, ids) of the shard being built
+    exhausted = False
+
+    def raw_samples():
+        nonlocal order_pos
+        for idx, sample, ids in stream:
+            order_pos += 1
+            if order_pos <= man["next_order"]:
+                continue  # consumed by an earlier run
+            if isinstance(ids, str) or len(ids) < 4:
+                reason = ids if isinstance(ids, str) else "too_short"
+                man["skipped"][reason] = man["skipped"].get(reason, 0) + 1
+                continue
+            yield idx, sample, ids
+
+    source = raw_samples()
+    while done < cfg.samples and not exhausted:
+        # Step 1: gather one shard's samples (regenerated if asked).
+        need = min(shard_samples, cfg.samples - done)
+        chunk: list[tuple[int, Sample, list[int]]] = []
+        for item in source:
+            chunk.append(item)
+            if len(chunk) == need:
+                break
+        else:
+            exhausted = True
+        if not chunk:
+            break
+        if cfg.regenerate:
+            regen: list[Sample] = []
+            for a in range(0, len(chunk), cfg.regen_batch):
+                part = [s for _, s, _ in chunk[a: a + cfg.regen_batch]]
+                regen.extend(regenerate_batch(target, part, cfg.max_tokens, cfg.regen_max_new))
+                if on_progress:
+                    on_progress(Progress(done, cfg.samples, tokens, time.perf_counter() - t_begin, "regenerate"))
+            chunk = [(i, s, tokenize(s, target.tokenizer, cfg.max_tokens)) for (i, _, _), s in zip(chunk, regen)]
+        # Step 2: one target forward per sample (or batch) -> features of the shard.
+        parts: dict[str, list[np.ndarray]] = {"ids": [], "argmax": [], "final": [], "states": []}
+        entries = []
+        offset = 0
+        shard = len({s["shard"] for s in man["samples"]})
+        for a in range(0, len(chunk), cfg.forward_batch):
+            sub = chunk[a: a + cfg.forward_batch]
+            feats = target_features(target, [ids for _, _, ids in sub], cached_layers)
+            for (idx, sample, ids), (am, fin, st) in zip(sub, feats):
+                parts["ids"].append(np.asarray(ids, dtype=np.int32))
+                parts["argmax"].append(am.numpy().astype(np.int32))
+                parts["final"].append(fin.numpy())
+                parts["states"].append(st.numpy())
+                entries.append({"index": idx, "id": sample.id, "shard": shard, "offset": offset, "length": len(ids)})
+                offset += len(ids)
+                tokens += len(ids)
+            if on_progress:
+                on_progress(Progress(done + len(entries), cfg.samples, tokens, time.perf_counter() - t_begin, "forward"))
+        for name, arrs in parts.items():
+            np.save(path / f"shard{shard:05d}.{name}.npy", np.concatenate(arrs, axis=0))
+        # Step 3: record the shard (the manifest is the commit point: a crash loses at most a shard).
+        man["samples"].extend(entries)
+        man["next_order"] = order_pos
+        done = len(man["samples"])
+        man["complete_for"] = done
+        man["seconds"] = man.get("seconds", 0.0) + (time.perf_counter() - t0)
+        man["tokens"] = sum(s["length"] for s in man["samples"])
+        t0 = time.perf_counter()
+        _write_json(path / MANIFEST, man)
+    if exhausted:
+        man["exhausted"] = True
+        _write_json(path / MANIFEST, man)
+    if done == 0:
+        raise ValueError(f"no usable sample in {cfg.data}")
+    return FeatureStore(path)
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
+def split_samples(n: int, heldout_frac: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic (train, held-out) indices of n samples; at least one held-out sample."""
+    if not 0 < heldout_frac < 1:
+        raise ValueError(f"heldout fraction must be in (0, 1), got {heldout_frac}")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    k = max(1, math.ceil(n * heldout_frac))
+    return sorted(perm[k:]), sorted(perm[:k])

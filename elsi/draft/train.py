@@ -1,0 +1,383 @@
+"""Draft training: soft cross-entropy against the target, training-time test unrolled ``ttt`` steps.
+
+Step by step (Li et al., "EAGLE-3", 2025, with this project's choices from DESIGN.md):
+1. Features: one target forward per sample, cached (``elsi.draft.features``).
+2. Vocabulary: the ``draft_vocab`` most frequent target greedy tokens of the training split
+   (``elsi.draft.vocab``); a position whose target argmax is outside it is masked.
+3. Loss of one batch: ``unroll`` the draft ``ttt`` steps; step j is scored against the
+   target's distribution on the draft vocabulary at the position j+1 ahead, weight 0.8^j.
+4. AdamW, linear warm-up then cosine decay, gradient-norm clip; stop at ``epochs``,
+   ``max_steps`` or ``time_budget``, whichever comes first; checkpoint to resume.
+
+Determinism: with a fixed ``max_steps`` (and a time budget that does not bind) two runs with
+the same seed give the same weights. With a binding time budget the cosine schedule follows
+elapsed time, so the step count (and the result) depends on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from elsi.config import opt
+from elsi.draft.features import FeatureStore, label_logits, split_samples
+from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
+from elsi.draft.vocab import build_vocab
+from elsi.models.load import Target
+
+CHECKPOINT = "checkpoint.pt"
+TRAINING = "training.json"
+
+
+def parse_duration(text: str) -> float:
+    """'20m', '90s', '1.5h', '1200' (seconds), '' or '0' (no limit -> inf) -> seconds."""
+    text = str(text).strip().lower()
+    if text in ("", "0", "none"):
+        return math.inf
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([smh]?)", text)
+    if not m:
+        raise ValueError(f"bad duration {text!r}: use e.g. 90s, 20m, 1.5h")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Draft model and its training."""
+
+    layers: str = opt(help="target hidden-state ids the draft reads, e.g. 2,15,27 (DESIGN.md numbering)")
+    out: str = opt(help="output directory of the draft (model.safetensors, config.json, training.json)")
+    draft_vocab: int = opt(8192, "draft vocabulary: the most frequent target tokens of the training data")
+    ttt: int = opt(7, "training-time-test unroll depth (step i weighted 0.8^i)")
+    lr: float = opt(1e-3, "peak learning rate of AdamW")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    warmup_steps: int = opt(50, "linear warm-up steps")
+    epochs: float = opt(4.0, "passes over the training split (fractions allowed)")
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit)")
+    time_budget: str = opt("20m", "wall-clock limit of the training loop, e.g. 20m, 90s (features not counted)")
+    batch_size: int = opt(4, "conversations per optimizer step")
+    grad_clip: float = opt(0.5, "gradient-norm clip")
+    heldout: float = opt(0.05, "fraction of the conversations held out")
+    fc_norm: bool = opt(False, "RMS-normalise each target state before fc (not loadable by vLLM/SGLang)")
+    eval_every: str = opt("2m", "held-out check (on up to 16 held-out conversations) every this long")
+    checkpoint_every: str = opt("2m", "checkpoint for resuming every this long")
+    restart: bool = opt(False, "ignore an existing checkpoint in --out and start over")
+
+    def __post_init__(self) -> None:
+        if self.ttt < 1:
+            raise ValueError(f"ttt must be >= 1, got {self.ttt}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        for name in ("time_budget", "eval_every", "checkpoint_every"):
+            parse_duration(getattr(self, name))
+
+
+@dataclass
+class Batch:
+    """A padded batch of R rows per sample: row i pairs g_i with x_{i+1}, T = longest length - 1."""
+
+    aux: torch.Tensor  # (B, T, m·d) target states at the draft's layers, positions 0..T-1
+    input_ids: torch.Tensor  # (B, T) x_1..x_T
+    position_ids: torch.Tensor  # (B, T)
+    probs: torch.Tensor  # (B, T, V_draft) target distribution on the draft vocabulary at positions 1..T
+    argmax: torch.Tensor  # (B, T) target greedy token (target id) at positions 1..T
+    valid: torch.Tensor  # (B, T) bool: position 1+i exists (and is scored)
+    in_vocab: torch.Tensor  # (B, T) bool: the target's greedy token there is in the draft vocabulary
+
+
+def make_batch(target: Target, samples: Sequence[dict], vocab_ids: torch.Tensor, t2d: torch.Tensor,
+               device: torch.device, score: Sequence[torch.Tensor] | None = None) -> Batch:
+    """Pad feature samples (see ``FeatureStore.sample``) into a ``Batch`` on ``device``.
+
+    ``score``: optional per-sample bool masks (T_k,) over positions: which positions count.
+    """
+    t = max(s["ids"].shape[0] for s in samples) - 1
+    b = len(samples)
+    md = samples[0]["aux"].shape[1]
+    aux = torch.zeros(b, t, md)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    argmax = torch.zeros(b, t, dtype=torch.long)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    final = torch.zeros(b, t, samples[0]["final"].shape[1])
+    for k, s in enumerate(samples):
+        n = s["ids"].shape[0] - 1
+        aux[k, :n] = s["aux"][:n].float()  # states at positions 0..n-1
+        ids[k, :n] = s["ids"][1:]  # tokens x_1..x_n
+        argmax[k, :n] = s["argmax"][1:]  # target's prediction made at positions 1..n
+        final[k, :n] = s["final"][1:].float()
+        valid[k, :n] = True if score is None else score[k][1:]
+    with torch.no_grad():
+        probs = torch.softmax(label_logits(target, final.to(device), vocab_ids.to(device)).float(), dim=-1)  # (B, T, Vd)
+    t2d = t2d.to(device)
+    return Batch(aux=aux.to(device), input_ids=ids.to(device),
+                 position_ids=torch.arange(t, device=device).expand(b, t), probs=probs,
+                 argmax=argmax.to(device), valid=valid.to(device), in_vocab=t2d[argmax.to(device)])
+
+
+def _shift(x: torch.Tensor, j: int, fill) -> torch.Tensor:
+    """x (B, T, ...) shifted left by j along T, padded with ``fill`` -> (B, T, ...)."""
+    if j == 0:
+        return x
+    pad = torch.full_like(x[:, :j], fill)
+    return torch.cat([x[:, j:], pad], dim=1)
+
+
+def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int, decay: float = 0.8):
+    """Weighted soft cross-entropy of the unrolled draft and per-step statistics.
+
+    Step j, row i is scored at target position i+1+j (``probs``/``argmax`` shifted by j);
+    it counts when that position is valid, and in the loss only when the target's greedy
+    token there is in the draft vocabulary.
+    Returns (loss, stats, outs): stats[j] = {"loss", "correct", "scored", "correct_in_vocab",
+    "in_vocab"}; outs = ``Eagle3Draft.unroll``'s output.
+    """
+    g = draft.fuse(batch.aux)  # (B, T, d)
+    outs = draft.unroll(g, batch.input_ids, batch.position_ids, steps)
+    total = g.new_zeros(())
+    stats = []
+    for j, (logits, _) in enumerate(outs):
+        probs = _shift(batch.probs, j, 0.0)  # (B, T, Vd)
+        valid = _shift(batch.valid, j, False)  # (B, T)
+        inv = _shift(batch.in_vocab, j, False) & valid  # (B, T)
+        want = _shift(batch.argmax, j, -1)  # (B, T)
+        logq = F.log_softmax(logits.float(), dim=-1)  # (B, T, Vd)
+        ce = -(probs * logq).sum(-1)  # (B, T)
+        n_in = inv.sum()
+        step_loss = (ce * inv).sum() / n_in.clamp(min=1)
+        total = total + decay**j * step_loss
+        with torch.no_grad():
+            hit = (draft.to_target_ids(logits.argmax(-1)) == want) & valid  # (B, T)
+        stats.append({"loss": float(step_loss.detach()), "correct": int(hit.sum()), "scored": int(valid.sum()),
+                      "correct_in_vocab": int((hit & inv).sum()), "in_vocab": int(n_in)})
+    return total, stats, outs
+
+
+def lr_factor(step: int, progress: float, warmup: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine from 1 to 0 over ``progress`` in [0, 1]."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+@torch.no_grad()
+def evaluate_store(draft: Eagle3Draft, target: Target, store: FeatureStore, indices: Sequence[int],
+                   vocab_ids: torch.Tensor, steps: int, batch_size: int, device: torch.device) -> dict:
+    """Held-out figures on ``indices``: loss and top-1 match with the target's greedy token per depth."""
+    layer_pos = store.layer_index(draft.layer_ids)
+    agg = [{"loss_sum": 0.0, "correct": 0, "scored": 0, "correct_in_vocab": 0, "in_vocab": 0} for _ in range(steps)]
+    runs = torch.zeros(steps + 1, dtype=torch.long)  # histogram of accepted chain lengths
+    was = draft.training
+    draft.eval()
+    for a in range(0, len(indices), batch_size):
+        batch = make_batch(target, [store.sample(i, layer_pos) for i in indices[a: a + batch_size]],
+                           vocab_ids, draft.t2d, device)
+        _, stats, outs = ttt_loss(draft, batch, steps)
+        for s, acc in zip(stats, agg):
+            acc["loss_sum"] += s["loss"] * s["in_vocab"]
+            for k in ("correct", "scored", "correct_in_vocab", "in_vocab"):
+                acc[k] += s[k]
+        runs += chain_runs(draft, batch, outs)
+    draft.train(was)
+    return summarize(agg, runs)
+
+
+def chain_runs(draft: Eagle3Draft, batch: Batch, outs: list) -> torch.Tensor:
+    """Histogram (steps+1,) of accepted draft lengths of a greedy chain started at each valid row.
+
+    Teacher forcing on the target's own greedy tokens makes depth j's inputs exactly those of
+    chain drafting once depths 1..j-1 matched, so the leading run of matches is what a
+    chain of ``steps`` drafts would get accepted.
+    """
+    steps = len(outs)
+    alive = batch.valid.clone()  # (B, T)
+    run = torch.zeros_like(batch.input_ids)  # (B, T)
+    for j, (logits, _) in enumerate(outs):
+        want = _shift(batch.argmax, j, -1)
+        hit = (draft.to_target_ids(logits.argmax(-1)) == want) & _shift(batch.valid, j, False)
+        alive &= hit
+        run += alive.long()
+    return torch.bincount(run[batch.valid], minlength=steps + 1)
+
+
+def summarize(agg: list[dict], runs: torch.Tensor) -> dict:
+    """Per-depth match rates and the expected chain acceptance length (drafts accepted + 1)."""
+    match = [a["correct"] / max(1, a["scored"]) for a in agg]
+    rates = {
+        "depth": list(range(1, len(agg) + 1)),
+        "match": match,
+        "match_in_vocab": [a["correct_in_vocab"] / max(1, a["in_vocab"]) for a in agg],
+        "loss": [a["loss_sum"] / max(1, a["in_vocab"]) for a in agg],
+        "scored": [a["scored"] for a in agg],
+        "in_vocab_rate": [a["in_vocab"] / max(1, a["scored"]) for a in agg],
+    }
+    total = int(runs.sum())
+    prod, acc = 1.0, 1.0
+    for p in match:
+        prod *= p
+        acc += prod
+    rates["accept_length_chain"] = 1.0 + float((runs * torch.arange(runs.numel())).sum()) / max(1, total)
+    rates["accept_length_product"] = acc
+    rates["chain_histogram"] = runs.tolist()
+    return rates
+
+
+@dataclass
+class Progress:
+    step: int
+    epoch: float
+    elapsed_s: float
+    tokens: int  # scored training positions so far (depth 1)
+    loss: float  # recent weighted TTT loss
+    acc: float  # recent depth-1 top-1 match
+    lr: float
+    heldout_acc: float | None = None
+    note: str = ""
+
+
+def _settings_key(cfg: TrainConfig, feature_settings: dict, samples: int) -> dict:
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "restart", "eval_every", "checkpoint_every")}
+    return {"train": keep, "features": feature_settings, "samples": samples}
+
+
+def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int, device: torch.device,
+                samples: int | None = None, on_progress: Callable[[Progress], None] | None = None) -> dict:
+    """Train (or resume) a draft on cached features and write it to ``cfg.out``. Returns training.json's dict."""
+    from elsi.draft.features import parse_layers
+
+    layers = parse_layers(cfg.layers, target.num_layers)
+    layer_pos = store.layer_index(layers)
+    n = min(len(store), samples or len(store))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = _settings_key(cfg, store.manifest["settings"], n)
+
+    # Step 1: split and vocabulary (both deterministic functions of the data and seed).
+    train_idx, held_idx = split_samples(n, cfg.heldout, seed)
+    vocab_size = int(target.adapter.embed_tokens(target.model).weight.shape[0])
+    vocab_ids, d2t, t2d, counts = build_vocab(
+        (store.argmax(i) for i in train_idx), vocab_size, cfg.draft_vocab)
+    coverage = float(counts[vocab_ids].sum()) / max(1, int(counts.sum()))
+
+    # Step 2: the draft, its optimizer, and any checkpoint to resume from.
+    dcfg = config_for_target(target, layers, draft_vocab_size=len(vocab_ids), fc_norm=cfg.fc_norm)
+    draft = Eagle3Draft(dcfg, target.adapter.embed_tokens(target.model))
+    gen = torch.Generator().manual_seed(seed)
+    init_weights(draft, gen)
+    draft.set_vocab(d2t, t2d)
+    draft.to(device).train()
+    opt_ = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
+                             betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    state = {"step": 0, "epoch": 0, "pos": 0, "elapsed": 0.0, "tokens": 0, "curve": [], "heldout_curve": []}
+    ck = out / CHECKPOINT
+    if ck.is_file() and not cfg.restart:
+        saved = torch.load(ck, map_location=device, weights_only=False)
+        if saved["settings"] != settings:
+            raise ValueError(f"{ck} was written with other settings; pass --restart to start over "
+                             f"or choose another --out")
+        draft.load_state_dict(saved["draft"])
+        opt_.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        if on_progress:
+            on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan,
+                                 math.nan, 0.0, note=f"resumed from {ck} at step {state['step']}"))
+
+    budget = parse_duration(cfg.time_budget)
+    eval_every = parse_duration(cfg.eval_every)
+    ck_every = parse_duration(cfg.checkpoint_every)
+    steps_per_epoch = math.ceil(len(train_idx) / cfg.batch_size)
+    total_steps = math.ceil(cfg.epochs * steps_per_epoch)
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+    step_based = bool(cfg.max_steps) or math.isinf(budget)
+    probe = held_idx[:16]
+
+    def order(epoch: int) -> list[int]:
+        perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        return [train_idx[i] for i in perm.tolist()]
+
+    def save_checkpoint() -> None:
+        tmp = ck.with_suffix(".tmp")
+        torch.save({"settings": settings, "draft": draft.state_dict(), "optimizer": opt_.state_dict(),
+                    "state": state}, tmp)
+        tmp.replace(ck)
+
+    # Step 3: the loop.
+    t_start = time.perf_counter() - state["elapsed"]
+    last_eval = last_ck = state["elapsed"]
+    recent: list[tuple[float, int, int]] = []
+    perm = order(state["epoch"])
+    while state["step"] < total_steps and state["elapsed"] < budget:
+        if state["pos"] >= len(perm):
+            state["epoch"] += 1
+            state["pos"] = 0
+            perm = order(state["epoch"])
+        idx = perm[state["pos"]: state["pos"] + cfg.batch_size]
+        state["pos"] += len(idx)
+        batch = make_batch(target, [store.sample(i, layer_pos) for i in idx], vocab_ids, t2d, device)
+        progress = state["step"] / total_steps if step_based else max(state["step"] / total_steps,
+                                                                      state["elapsed"] / budget)
+        lr = cfg.lr * lr_factor(state["step"], progress, cfg.warmup_steps)
+        for group in opt_.param_groups:
+            group["lr"] = lr
+        loss, stats, _ = ttt_loss(draft, batch, cfg.ttt)
+        opt_.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        opt_.step()
+        state["step"] += 1
+        state["tokens"] += stats[0]["scored"]
+        state["elapsed"] = time.perf_counter() - t_start
+        recent = (recent + [(float(loss.detach()), stats[0]["correct"], stats[0]["scored"])])[-20:]
+        r_loss = sum(r[0] for r in recent) / len(recent)
+        r_acc = sum(r[1] for r in recent) / max(1, sum(r[2] for r in recent))
+        if state["step"] % 10 == 0 or state["step"] == 1:
+            state["curve"].append({"step": state["step"], "elapsed_s": round(state["elapsed"], 2),
+                                   "tokens": state["tokens"], "lr": lr, "loss": r_loss, "acc": r_acc})
+        held = None
+        if state["elapsed"] - last_eval >= eval_every:
+            held = evaluate_store(draft, target, store, probe, vocab_ids, min(cfg.ttt, 3), cfg.batch_size, device)
+            state["heldout_curve"].append({"step": state["step"], "elapsed_s": round(state["elapsed"], 2),
+                                           "match": held["match"], "loss": held["loss"]})
+            last_eval = state["elapsed"]
+            t_start = time.perf_counter() - state["elapsed"]  # evaluation time is not training time
+        if state["elapsed"] - last_ck >= ck_every:
+            save_checkpoint()
+            last_ck = state["elapsed"]
+        if on_progress:
+            on_progress(Progress(state["step"], state["epoch"] + state["pos"] / len(perm), state["elapsed"],
+                                 state["tokens"], r_loss, r_acc, lr, held["match"][0] if held else None))
+    save_checkpoint()
+
+    # Step 4: held-out figures, then the draft and its record.
+    final = evaluate_store(draft, target, store, held_idx, vocab_ids, cfg.ttt, cfg.batch_size, device)
+    draft.save_pretrained(out)
+    record = {
+        "status": "complete",
+        "settings": settings,
+        "layers": list(layers),
+        "num_params": sum(p.numel() for p in draft.parameters()),
+        "data": {"samples": n, "train_samples": len(train_idx), "heldout_samples": len(held_idx),
+                 "train_tokens": sum(store.samples[i]["length"] for i in train_idx),
+                 "heldout_tokens": sum(store.samples[i]["length"] for i in held_idx),
+                 "features_dir": str(store.path), "draft_vocab_size": len(vocab_ids),
+                 "draft_vocab_coverage": coverage},
+        "steps": state["step"],
+        "epochs": state["epoch"] + state["pos"] / max(1, len(perm)),
+        "train_seconds": state["elapsed"],
+        "train_tokens_seen": state["tokens"],
+        "train_tokens_per_s": state["tokens"] / max(1e-9, state["elapsed"]),
+        "curve": state["curve"],
+        "heldout_curve": state["heldout_curve"],
+        "heldout": final,
+    }
+    (out / TRAINING).write_text(json.dumps(record, indent=1))
+    return record

@@ -1,0 +1,208 @@
+"""Draft training pipeline on a tiny random target: feature cache, loss, determinism, resume, evaluation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_target, write_text_jsonl
+from safetensors.torch import load_file
+
+from elsi.data import load_dataset
+from elsi.draft import Eagle3Draft
+from elsi.draft.evaluate import evaluate_draft
+from elsi.draft.features import FeatureConfig, FeatureStore, build_features
+from elsi.draft.train import TrainConfig, parse_duration, train_draft
+
+LAYERS = "1,3,6"
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = make_tiny_target(num_layers=6, hidden=32, seed=1)
+    with torch.no_grad():  # a peaked (learnable) next-token distribution instead of a near-uniform one
+        t.model.lm_head.weight.mul_(60.0)
+    return t
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_text_jsonl(tmp_path_factory.mktemp("draftdata") / "text.jsonl", n=16, words=100)
+
+
+@pytest.fixture(scope="module")
+def store(target, data, tmp_path_factory):
+    cfg = FeatureConfig(model="tiny", data=str(data), samples=16, max_tokens=64, cache_layers="1,3,5,6",
+                        features_dir=str(tmp_path_factory.mktemp("feat")))
+    return build_features(target, load_dataset(str(data)), cfg, (1, 3, 6))
+
+
+def train_cfg(out, **kw) -> TrainConfig:
+    base = dict(layers=LAYERS, out=str(out), draft_vocab=150, ttt=3, lr=3e-3, warmup_steps=3, epochs=100.0,
+                max_steps=30, time_budget="0", batch_size=2, heldout=0.2, eval_every="0", checkpoint_every="0.000001s")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_feature_cache_matches_target_and_is_reused(target, data, store, monkeypatch):
+    assert store.layers == (1, 3, 5, 6) and len(store) == 16
+    s = store.sample(0, store.layer_index([3, 6]))
+    ids = s["ids"][None]
+    with torch.no_grad():
+        out = target.model(ids, output_hidden_states=True)
+    ref = torch.cat([out.hidden_states[3], out.hidden_states[6]], dim=-1)[0]  # (T, 2d)
+    assert s["aux"].dtype == torch.float16
+    torch.testing.assert_close(s["aux"].float(), ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(s["final"].float(), out.hidden_states[-1][0], atol=2e-3, rtol=2e-3)
+    assert torch.equal(s["argmax"], out.logits[0].argmax(-1))
+    # A second build with the same settings does not run the target again.
+    calls = []
+    monkeypatch.setattr(target.model, "forward", lambda *a, **k: calls.append(1))
+    cfg = FeatureConfig(model="tiny", data=str(data), samples=16, max_tokens=64, features_dir=str(store.path))
+    again = build_features(target, load_dataset(str(data)), cfg, (1, 5))
+    assert calls == [] and len(again) == 16
+
+
+def test_layers_not_in_cache_is_a_clear_error(target, data, store):
+    cfg = FeatureConfig(model="tiny", data=str(data), samples=16, max_tokens=64, features_dir=str(store.path))
+    with pytest.raises(ValueError, match=r"holds layers \[1, 3, 5, 6\]; layer\(s\) \[2\] are not in it.*--cache-layers 1,2,3,5,6"):
+        build_features(target, load_dataset(str(data)), cfg, (2, 3))
+    with pytest.raises(ValueError, match=r"layer\(s\) \[4\] are not in it"):
+        FeatureStore(store.path).layer_index([4])
+
+
+def test_feature_cache_extends_and_resumes(target, data, tmp_path):
+    ds = load_dataset(str(data))
+    small = FeatureConfig(model="tiny", data=str(data), samples=5, max_tokens=64, features_dir=str(tmp_path))
+    a = build_features(target, ds, small, (2,), shard_samples=2)
+    assert len(a) == 5
+    more = FeatureConfig(model="tiny", data=str(data), samples=9, max_tokens=64, features_dir=str(tmp_path))
+    b = build_features(target, ds, more, (2,), shard_samples=2)
+    fresh = build_features(target, ds, FeatureConfig(model="tiny", data=str(data), samples=9, max_tokens=64,
+                                                     features_dir=str(tmp_path / "fresh")), (2,), shard_samples=4)
+    assert [s["id"] for s in b.samples] == [s["id"] for s in fresh.samples]
+    for i in range(9):
+        assert torch.equal(b.sample(i, [0])["aux"], fresh.sample(i, [0])["aux"])
+
+
+def test_loss_falls_and_outputs_are_written(target, store, tmp_path):
+    rec = train_draft(target, store, train_cfg(tmp_path, max_steps=25, lr=1e-2), seed=0, device=torch.device("cpu"))
+    curve = rec["curve"]
+    assert curve[-1]["loss"] < 0.9 * curve[0]["loss"]
+    assert curve[-1]["acc"] > curve[0]["acc"]
+    for name in ("model.safetensors", "config.json", "training.json"):
+        assert (tmp_path / name).is_file()
+    rec2 = json.loads((tmp_path / "training.json").read_text())
+    assert rec2["heldout"]["depth"] == [1, 2, 3] and 0 <= rec2["heldout"]["match"][0] <= 1
+    assert rec2["train_tokens_per_s"] > 0 and rec2["data"]["heldout_samples"] == 4
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6] and cfg["draft_vocab_size"] == 150
+    # The saved draft reproduces the held-out figures.
+    draft = Eagle3Draft.from_pretrained(tmp_path, target.adapter.embed_tokens(target.model))
+    from elsi.draft.features import split_samples
+    from elsi.draft.train import evaluate_store
+
+    _, held = split_samples(16, 0.2, 0)
+    again = evaluate_store(draft, target, store, held, torch.nonzero(draft.t2d).flatten(), 3, 2, torch.device("cpu"))
+    assert again["match"] == rec2["heldout"]["match"]
+
+
+def test_deterministic_and_resumable(target, store, tmp_path):
+    cpu = torch.device("cpu")
+    train_draft(target, store, train_cfg(tmp_path / "a", max_steps=8), seed=5, device=cpu)
+    train_draft(target, store, train_cfg(tmp_path / "b", max_steps=8), seed=5, device=cpu)
+    a = load_file(str(tmp_path / "a" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    class Stop(Exception):
+        pass
+
+    def interrupt(p):
+        if p.step == 3 and not p.note:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train_draft(target, store, train_cfg(tmp_path / "c", max_steps=8), seed=5, device=cpu, on_progress=interrupt)
+    notes = []
+    train_draft(target, store, train_cfg(tmp_path / "c", max_steps=8), seed=5, device=cpu,
+                on_progress=lambda p: notes.append(p.note) if p.note else None)
+    assert any("resumed" in n and "step 3" in n for n in notes)
+    c = load_file(str(tmp_path / "c" / "model.safetensors"))
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    with pytest.raises(ValueError, match="other settings"):
+        train_draft(target, store, train_cfg(tmp_path / "c", max_steps=9), seed=5, device=cpu)
+
+
+def test_train_rejects_layers_missing_from_cache(target, store, tmp_path):
+    with pytest.raises(ValueError, match=r"layer\(s\) \[2\] are not in it"):
+        train_draft(target, store, train_cfg(tmp_path, layers="2,6"), seed=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"\[9\] out of range"):
+        train_draft(target, store, train_cfg(tmp_path, layers="1,9"), seed=0, device=torch.device("cpu"))
+
+
+def test_eval_match_rate_equals_naive_reference(target, tmp_path):
+    """evaluate_draft's depth-1 match == a plain draft forward compared token by token."""
+    from elsi.draft import random_draft
+
+    draft = random_draft(target, [1, 3, 6], draft_vocab=list(range(0, 300, 2)), seed=2)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(50.0)
+    gen = torch.Generator().manual_seed(0)
+    answers = [{"subtask": s, "prompt": torch.randint(3, 300, (n,), generator=gen).tolist(),
+                "answer": torch.randint(3, 300, (a,), generator=gen).tolist()}
+               for s, n, a in [("qa", 7, 9), ("qa", 5, 12), ("rag", 10, 6)]]
+    res = evaluate_draft(target, draft, answers, depth=2, batch_size=2)
+    hits = total = 0
+    for a in answers:
+        seq = torch.tensor(a["prompt"] + a["answer"])[None]
+        with torch.no_grad():
+            out = target.model(seq, output_hidden_states=True)
+            aux = torch.cat([out.hidden_states[l] for l in (1, 3, 6)], -1).half().float()
+            t = seq.shape[1]
+            logits, _ = draft(seq[:, 1:], draft.fuse(aux[:, :-1]), torch.arange(t - 1)[None])
+        pred = draft.to_target_ids(logits.argmax(-1))[0]  # row i predicts the target's token at position i+1
+        want = out.logits[0].argmax(-1)[1:]
+        rows = range(len(a["prompt"]) - 2, t - 2)  # rows whose position i+1 predicts an answer token
+        hits += sum(int(pred[i] == want[i]) for i in rows)
+        total += len(rows)
+    assert res["all"]["scored"][0] == total
+    assert res["all"]["match"][0] == pytest.approx(hits / total)
+    assert res["all"]["accept_length_chain"] >= 1.0
+    assert set(res["subtasks"]) == {"qa", "rag"}
+
+
+def test_parse_duration():
+    assert parse_duration("20m") == 1200 and parse_duration("90s") == 90 and parse_duration("1.5h") == 5400
+    assert parse_duration("0") == float("inf")
+    with pytest.raises(ValueError, match="bad duration"):
+        parse_duration("twenty")
+
+
+def test_regenerate_writes_the_targets_own_answers(target, tmp_path):
+    from conftest import WORDS
+
+    from elsi.data import Sample, render, tokenize
+
+    recs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": " ".join(WORDS[i: i + 6])},
+                                             {"from": "gpt", "value": "a reply that the target did not write"}]}
+            for i in range(3)]
+    path = tmp_path / "conv.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    cfg = FeatureConfig(model="tiny", data=str(path), samples=3, max_tokens=64, regenerate=True, regen_max_new=8,
+                        regen_batch=1, features_dir=str(tmp_path / "f"))
+    store = build_features(target, load_dataset(str(path)), cfg, (2,))
+    tok = target.tokenizer
+    for s in store.samples:
+        user = next(r for r in recs if r["id"] == s["id"])["conversations"][0]["value"]
+        prompt = tok(render(Sample(s["id"], (("user", user),)), tok, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            gen = target.model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                        pad_token_id=2)[0, len(prompt):].tolist()
+        gen = gen[: gen.index(2)] if 2 in gen else gen
+        answer = tok.decode(gen, skip_special_tokens=True).strip() or "..."
+        want = tokenize(Sample(s["id"], (("user", user), ("assistant", answer))), tok, 64)
+        got = store.sample(store.samples.index(s), [0])["ids"].tolist()
+        assert got == want
