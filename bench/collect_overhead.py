@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -86,7 +87,8 @@ def main() -> int:
         "peak_rss_mib_after_model_load": rss_model,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "threads": torch.get_num_threads(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": torch.get_num_threads()},
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
+                    "load_average_1_5_15_min": os.getloadavg()},
         "versions": package_versions(),
     }
     grams = Path(args.run) / "grams.safetensors"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -111,7 +112,8 @@ def main() -> int:
                          "exhaustive_m3": list(mb_ex.best), "exhaustive_seconds": t_mbx}
     sets = [(2, 15, 27), (5, 18, 27), (1, 10, 20), (3, 16, 29)]
     res["per_set_cost"] = from_states_vs_grams(Path(args.run), sel, args.state_samples, sets)
-    res["machine"] = {"platform": platform.platform(), "threads": torch.get_num_threads()}
+    res["machine"] = {"platform": platform.platform(), "threads": torch.get_num_threads(),
+                      "load_average_1_5_15_min": os.getloadavg()}
     res["versions"] = package_versions()
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps({"elsi_m3_s": res["elsi_m3"]["seconds"], "exhaustive_m3_s": t_ex,

@@ -9,6 +9,7 @@ Step 5  G[b, l] = Z Z^T, stored packed (upper triangle) in float32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -80,13 +81,20 @@ def pack(g: torch.Tensor) -> torch.Tensor:
     return g[..., i, j]
 
 
-def unpack(p: torch.Tensor, block: int) -> torch.Tensor:
-    """(..., B(B+1)/2) -> (..., B, B) symmetric."""
+@functools.lru_cache(maxsize=8)
+def _unpack_index(block: int) -> torch.Tensor:
+    """(B*B,) position in the packed upper triangle of each entry (i, j) of a B×B matrix."""
     i, j = triu_index(block)
-    out = p.new_zeros(*p.shape[:-1], block, block)
-    out[..., i, j] = p
-    out[..., j, i] = p
-    return out
+    where = torch.empty(block, block, dtype=torch.int64)
+    where[i, j] = torch.arange(i.numel())
+    where[j, i] = torch.arange(i.numel())
+    return where.reshape(-1)
+
+
+def unpack(p: torch.Tensor, block: int) -> torch.Tensor:
+    """(..., B(B+1)/2) -> (..., B, B) symmetric (one gather)."""
+    idx = _unpack_index(block).to(p.device)
+    return p.index_select(-1, idx).reshape(*p.shape[:-1], block, block)
 
 
 def diag_index(block: int) -> torch.Tensor:

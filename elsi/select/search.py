@@ -244,7 +244,7 @@ def exhaustive_search(
         raise ValueError(f"no set of size {m} in pool {list(pool)} has a layer in the second half")
     exact_scorer = exact_scorer or SetScorer(run, aggregate)
     blocks = block_subsample(run, per_sample, seed) if aggregate == "block-entropy" else None
-    if blocks is None:
+    if blocks is None or all(s in exact_scorer.cache for s in sets):  # exact values at hand: no subsample
         exact = approx = dict(zip(sets, exact_scorer.score(sets)))
         ranked = sorted(sets, key=lambda s: (-exact[s], s))
         top, bottom = ranked, ranked[::-1]

@@ -109,18 +109,34 @@ class GramRun:
     def check(self, layers) -> tuple[int, ...]:
         return parse_layers(layers, self.num_layers)
 
+    @functools.cached_property
+    def layer_kernels(self) -> torch.Tensor:
+        """(N+1, nb, B, B) float64: G[b, l] / tr G[b, l] unpacked, contiguous per layer (cached)."""
+        return unpack(self.normalized.transpose(0, 1).contiguous(), self.block)
+
+    def _layer_kernels(self, blocks: torch.Tensor | None) -> torch.Tensor:
+        """``layer_kernels``, or those of a block subset: (N+1, nb, B, B)."""
+        if blocks is None:
+            return self.layer_kernels
+        return unpack(self.normalized[blocks].transpose(0, 1).contiguous(), self.block)
+
     def set_kernels(self, layers, blocks: torch.Tensor | None = None) -> torch.Tensor:
         """K_b = sum_{l in S} G[b,l]/tr G[b,l]: (nb, B, B) float64 (optionally a block subset)."""
-        g = self.normalized if blocks is None else self.normalized[blocks]
-        return unpack(g[:, list(self.check(layers))].sum(1), self.block)
+        return self._layer_kernels(blocks)[list(self.check(layers))].sum(0)
 
     def block_entropies(self, sets: list, blocks: torch.Tensor | None = None, batch_bytes: float = 4e8) -> torch.Tensor:
         """Entropy of every set on every block: (len(sets), nb) float64."""
-        nb = self.num_blocks if blocks is None else int(blocks.numel())
+        u = self._layer_kernels(blocks)  # (N+1, nb, B, B), built once per call
+        nb = u.shape[1]
         per = max(1, int(batch_bytes // max(nb * self.block * self.block * 8, 1)))
         out = []
         for s in range(0, len(sets), per):
-            k = torch.stack([self.set_kernels(layers, blocks) for layers in sets[s : s + per]])  # (sets, nb, B, B)
+            chunk = [self.check(layers) for layers in sets[s : s + per]]
+            k = u.new_empty(len(chunk), *u.shape[1:])  # (sets, nb, B, B)
+            for i, layers in enumerate(chunk):
+                k[i] = u[layers[0]]
+                for l in layers[1:]:
+                    k[i] += u[l]  # same order of additions as set_kernels' sum
             out.append(kernel_entropy(k))  # (sets, nb)
         return torch.cat(out)
 
