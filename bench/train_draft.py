@@ -7,12 +7,16 @@ training tokens/s, feature (target forward) tokens/s, and the exact commands.
 
     .venv/bin/python bench/train_draft.py                          # the full target run
     .venv/bin/python bench/train_draft.py --time-budget 3m --samples 150 --label short
+
+The machine's load average before and after training is recorded: on a shared machine the
+training tokens/s depend on it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import sys
@@ -46,6 +50,9 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="more train-draft options, e.g. '--regenerate --ttt 5'")
     ap.add_argument("--questions", type=int, default=5, help="eval-draft questions per subtask")
     ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--skip-train", action="store_true",
+                    help="reuse the draft already trained in --out by this script with the same options "
+                         "(e.g. to add or redo the evaluation); the load average is then not known")
     ap.add_argument("--label", default="full", help="what this run is (e.g. 'short' for a pipeline check)")
     ap.add_argument("--result", default="bench/results/train_draft.json")
     args = ap.parse_args()
@@ -53,7 +60,13 @@ def main() -> None:
     train = ["train-draft", "--model", args.model, "--layers", args.layers, "--data", "sharegpt", "--out", args.out,
              "--samples", str(args.samples), "--max-tokens", str(args.max_tokens), "--time-budget", args.time_budget,
              "--threads", str(args.threads), *shlex.split(args.extra)]
-    wall_train = run(train)
+    if args.skip_train:
+        print("reusing the draft in " + args.out + " (trained by: elsi " + shlex.join(train) + ")", file=sys.stderr)
+        load_before = load_after = wall_train = None
+    else:
+        load_before = os.getloadavg()
+        wall_train = run(train)
+        load_after = os.getloadavg()
     rec = json.loads((Path(args.out) / "training.json").read_text())
     store = FeatureStore(rec["data"]["features_dir"])
     h = rec["heldout"]
@@ -80,7 +93,10 @@ def main() -> None:
         "feature_tokens_per_s": (store.manifest.get("tokens") or 0) / max(1e-9, store.manifest.get("seconds") or 0),
         "wall_seconds_train_draft": wall_train,
         "settings": rec["settings"],
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": args.threads},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": args.threads,
+                    "cpu_count": os.cpu_count(),
+                    "loadavg_1_5_15_before_train": load_before and [round(x, 2) for x in load_before],
+                    "loadavg_1_5_15_after_train": load_after and [round(x, 2) for x in load_after]},
     }
     if not args.no_eval:
         ev = ["eval-draft", "--model", args.model, "--draft", args.out, "--questions", str(args.questions),

@@ -163,3 +163,34 @@ def test_layer_ids_out_of_range_are_clear_errors(target):
     draft = random_draft(target, [1, 2])
     with pytest.raises(ValueError, match="aux has width 32"):
         draft.fuse(torch.randn(1, 3, 32))
+
+
+def test_aux_scale_folds_into_fc(target, tmp_path):
+    """Training fc on rescaled inputs and folding the scale into fc's columns computes the same function."""
+    draft = random_draft(target, [1, 3, 6], seed=2)
+    gen = torch.Generator().manual_seed(0)
+    aux = torch.randn(2, 7, 96, generator=gen) * torch.linspace(0.1, 300.0, 96)  # (B, T, m·d), a few huge features
+    scale = 1.0 / torch.linspace(0.1, 300.0, 96)
+    ids = torch.randint(0, vocab_of(target), (2, 7), generator=gen)
+    pos = torch.arange(7).expand(2, 7)
+    draft.set_aux_scale(scale)
+    with torch.no_grad():
+        before, _ = draft(ids, draft.fuse(aux), pos)
+    with pytest.raises(ValueError, match="fold_aux_scale"):
+        draft.save_pretrained(tmp_path)
+    draft.fold_aux_scale()
+    assert draft.aux_scale is None
+    with torch.no_grad():
+        after, _ = draft(ids, draft.fuse(aux), pos)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    draft.save_pretrained(tmp_path)
+    assert set(load_names(tmp_path)) == set(draft.state_dict())
+    with pytest.raises(ValueError, match=r"aux scale of shape \(5,\)"):
+        draft.set_aux_scale(torch.ones(5))
+
+
+def load_names(path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return list(f.keys())

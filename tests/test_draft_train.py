@@ -206,3 +206,91 @@ def test_regenerate_writes_the_targets_own_answers(target, tmp_path):
         want = tokenize(Sample(s["id"], (("user", user), ("assistant", answer))), tok, 64)
         got = store.sample(store.samples.index(s), [0])["ids"].tolist()
         assert got == want
+
+
+def test_soft_labels_are_the_full_softmax_restricted_and_renormalised(target):
+    from elsi.draft.train import LabelHead
+
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    ids = torch.tensor([0, 3, 4, 17, 40, vocab - 1])
+    final = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = torch.softmax(target.model.lm_head(final), dim=-1)  # (2, 5, V_target)
+    want = full[..., ids] / full[..., ids].sum(-1, keepdim=True)
+    got = LabelHead.build(target, ids, torch.device("cpu")).probs(final)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_head_from_target_equals_target_logits_on_draft_vocab(target):
+    from elsi.draft import random_draft
+    from elsi.draft.train import target_head_rows
+
+    ids = torch.arange(5, 205, 2)
+    draft = random_draft(target, [1, 6], draft_vocab=ids.tolist(), seed=0)
+    norm = target.model.model.norm
+    before = norm.weight.detach().clone()
+    try:
+        with torch.no_grad():  # a non-trivial final-norm scale, to check that it is folded in
+            norm.weight.copy_(torch.rand(32, generator=torch.Generator().manual_seed(1)) + 0.5)
+            draft.lm_head.weight.copy_(target_head_rows(target, ids))
+            h = torch.randn(3, 32, generator=torch.Generator().manual_seed(2)) * 4
+            want = target.model.lm_head(norm(h))[:, ids]  # (3, V_draft)
+            torch.testing.assert_close(draft.head(h), want, atol=1e-4, rtol=1e-4)
+    finally:
+        with torch.no_grad():
+            norm.weight.copy_(before)
+
+
+def test_ttt_loss_equals_naive_per_row_reference(target, store):
+    """Per step j, row i: soft CE against the target's distribution at position i+1+j (weights 0.8^j)."""
+    from elsi.draft import random_draft
+    from elsi.draft.train import make_batch, ttt_loss
+
+    ids = torch.arange(0, 300, 3)
+    draft = random_draft(target, [1, 3, 6], draft_vocab=ids.tolist(), seed=4)
+    samples = [store.sample(i, store.layer_index([1, 3, 6])) for i in (0, 5)]
+    batch = make_batch(target, samples, ids, draft.t2d, torch.device("cpu"))
+    with torch.no_grad():
+        loss, stats, outs = ttt_loss(draft, batch, 3)
+    total = 0.0
+    for j, (logits, _) in enumerate(outs):
+        ce_sum, n, hits, scored = 0.0, 0, 0, 0
+        for b, s in enumerate(samples):
+            t = s["ids"].shape[0]
+            for i in range(t - 1 - j):  # row i scores position p = i + 1 + j <= t - 1
+                p = i + 1 + j
+                am = int(s["argmax"][p])
+                scored += 1
+                hits += int(draft.to_target_ids(logits[b, i].argmax()) == am)
+                if draft.t2d[am]:
+                    with torch.no_grad():
+                        full = torch.softmax(target.model.lm_head(s["final"][p].float()), -1)[ids]
+                    ce_sum += float(-(full / full.sum() * torch.log_softmax(logits[b, i], -1)).sum())
+                    n += 1
+        assert stats[j]["scored"] == scored and stats[j]["correct"] == hits and stats[j]["in_vocab"] == n
+        assert stats[j]["loss"] == pytest.approx(ce_sum / n, rel=1e-4)
+        total += 0.8**j * ce_sum / n
+    assert float(loss) == pytest.approx(total, rel=1e-4)
+
+
+def test_frozen_head_stays_at_the_targets_rows(target, store, tmp_path):
+    from elsi.draft.train import target_head_rows
+
+    rec = train_draft(target, store, train_cfg(tmp_path, max_steps=3, freeze_head=True, head_init="target"), seed=0,
+                      device=torch.device("cpu"))
+    w = load_file(str(tmp_path / "model.safetensors"))["lm_head.weight"]
+    d2t = load_file(str(tmp_path / "model.safetensors"))["d2t"]
+    ids = torch.arange(d2t.numel()) + d2t
+    assert torch.equal(w, target_head_rows(target, ids))
+    assert rec["settings"]["train"]["freeze_head"] is True
+    with pytest.raises(ValueError, match="freeze_head"):
+        train_cfg(tmp_path, freeze_head=True, head_init="random")
+
+
+def test_feature_scale_is_inverse_rms(store):
+    from elsi.draft.train import feature_scale
+
+    pos = store.layer_index([1, 3, 6])
+    got = feature_scale(store, [2, 7], pos)
+    aux = torch.cat([store.sample(i, pos)["aux"].float() for i in (2, 7)])  # (T, m·d)
+    torch.testing.assert_close(got, 1.0 / aux.pow(2).mean(0).sqrt(), atol=1e-6, rtol=1e-5)

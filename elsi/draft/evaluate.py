@@ -24,7 +24,7 @@ from elsi.config import opt
 from elsi.data.spec_bench import SUBTASKS, load_questions
 from elsi.draft.features import target_features
 from elsi.draft.model import Eagle3Draft
-from elsi.draft.train import TRAINING, chain_runs, make_batch, summarize, ttt_loss
+from elsi.draft.train import TRAINING, LabelHead, chain_runs, make_batch, summarize, ttt_loss
 from elsi.models.load import Target, cache_dir
 
 
@@ -112,6 +112,7 @@ def evaluate_draft(target: Target, draft: Eagle3Draft, answers: list[dict], dept
     n_vocab = draft.t2d.numel()
     vocab_ids = torch.nonzero(draft.t2d).flatten()  # (V_draft,) target ids, increasing = draft id order
     draft.eval()
+    label_head = LabelHead.build(target, vocab_ids, device)
     per: dict[str, dict] = {}
     for sub in dict.fromkeys(a["subtask"] for a in answers):
         rows = [a for a in answers if a["subtask"] == sub and len(a["answer"]) > 0]
@@ -130,7 +131,7 @@ def evaluate_draft(target: Target, draft: Eagle3Draft, answers: list[dict], dept
                 m = torch.zeros(len(seq), dtype=torch.bool)
                 m[len(a["prompt"]) - 1: len(seq) - 1] = True
                 score.append(m)
-            batch = make_batch(target, samples, vocab_ids, draft.t2d, device, score=score)
+            batch = make_batch(target, samples, vocab_ids, draft.t2d, device, score=score, label_head=label_head)
             _, stats, outs = ttt_loss(draft, batch, depth)
             for s, acc in zip(stats, agg):
                 acc["loss_sum"] += s["loss"] * s["in_vocab"]

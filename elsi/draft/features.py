@@ -4,7 +4,8 @@ One target forward per sample gives, per token position t:
 - ``ids``: the token x_t (int32);
 - ``argmax``: the target's greedy next token at t over its full vocabulary (int32);
 - ``final``: the input of the target's LM head at t, (d,) float16, from which the soft labels
-  on any draft vocabulary are recomputed exactly (``label_logits``);
+  on any draft vocabulary are recomputed (``elsi.draft.train.LabelHead``: only the V_draft
+  rows of the target's head, once per batch);
 - ``states``: the hidden states at the cached layer ids, (L, d) float16.
 
 The cache directory is keyed by model, data and settings (max tokens, seed, regeneration),
@@ -41,7 +42,8 @@ class FeatureConfig:
 
     model: str = opt("smollm2-135m", "target model: alias, HF directory, .gguf file or hub id")
     data: str = opt("sharegpt", "conversations: 'sharegpt', a ShareGPT .json or a .jsonl file")
-    samples: int = opt(2000, "number of conversations (train + held-out)")
+    samples: int = opt(600, "number of conversations (train + held-out); ~500k tokens, about what 20 minutes "
+                            "of CPU training can use")
     max_tokens: int = opt(1024, "tokens per conversation (longer ones are cut)")
     seed: int = opt(0, "seed of the sample order, the split and the draft's initialisation")
     regenerate: bool = opt(False, "let the target write the assistant turns itself (greedy), as EAGLE3 does")
@@ -198,19 +200,6 @@ def regenerate_batch(target: Target, samples: Sequence[Sample], max_tokens: int,
                 seq = seq[: seq.index(tok.eos_token_id)]
             convs[k].append(("assistant", tok.decode(seq, skip_special_tokens=True).strip() or "..."))
     return [Sample(s.id, tuple(c)) if s.text is None else s for s, c in zip(samples, convs)]
-
-
-def label_logits(target: Target, final: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Target logits from cached LM-head inputs ``final`` (..., d), restricted to ``vocab_ids`` (V',)."""
-    head = target.model.get_output_embeddings()
-    w = head.weight if vocab_ids is None else head.weight[vocab_ids]  # (V', d)
-    logits = final.to(w.dtype) @ w.T  # (..., V')
-    if getattr(head, "bias", None) is not None:
-        logits = logits + (head.bias if vocab_ids is None else head.bias[vocab_ids])
-    cap = getattr(target.model.config.get_text_config(), "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
 
 
 @torch.no_grad()

@@ -240,13 +240,13 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     ks, vs (B, KVH, T, hd). Returns (B, H, T, hd).
     """
     h, t = q.shape[1], q.shape[2]
+    if not ks:  # step 0 is plain causal attention: the fused kernel, no (T, T) scores kept for backward
+        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=h != k0.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1])
     k0, v0 = _expand_kv(k0, h), _expand_kv(v0, h)  # (B, H, T, hd)
     s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, H, T, T)
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # (T, T)
     s0 = s0.masked_fill(~causal, float("-inf"))
-    if not ks:
-        return torch.softmax(s0, dim=-1) @ v0
     ks = [_expand_kv(k, h) for k in ks]
     vs = [_expand_kv(v, h) for v in vs]
     sd = torch.stack([(q * k).sum(-1) for k in ks], dim=-1) * scale  # (B, H, T, j): the diagonal of each step
@@ -272,6 +272,8 @@ class Eagle3Draft(nn.Module):
         self.norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)  # weight (V_draft, d)
         self.rotary = LlamaRotaryEmbedding(cfg.llama_config())  # inv_freq is a non-persistent buffer
+        # Training-time reparametrisation of fc (see ``set_aux_scale``); not saved: ``fold_aux_scale`` first.
+        self.register_buffer("aux_scale", None, persistent=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # (V_draft,)
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # (V_target,)
         self.t2d[: cfg.draft_vocab_size] = True
@@ -293,6 +295,27 @@ class Eagle3Draft(nn.Module):
         """Draft ids (any shape) -> target ids: id + d2t[id]."""
         return draft_ids + self.d2t[draft_ids]
 
+    # ---- fc reparametrisation ----
+    def set_aux_scale(self, scale: torch.Tensor | None) -> None:
+        """Train fc on ``aux * scale`` (scale (m·d_t,), e.g. 1/RMS of each input feature).
+
+        The target's states have a few "massive" dimensions (hundreds of times the median);
+        with the raw states, Adam's per-weight steps let those dimensions dominate ``fc``.
+        Training ``W_s`` on rescaled inputs and saving ``W = W_s * scale`` computes the same
+        function and keeps the EAGLE3 format; ``fold_aux_scale`` does that folding.
+        """
+        m, dt = self.config.num_aux, self.config.target_hidden_size
+        if scale is not None and scale.shape != (m * dt,):
+            raise ValueError(f"aux scale of shape {tuple(scale.shape)}, the draft expects ({m * dt},)")
+        self.aux_scale = None if scale is None else scale.to(self.fc.weight)
+
+    @torch.no_grad()
+    def fold_aux_scale(self) -> None:
+        """fc.weight <- fc.weight * aux_scale (columns), then no scale: same outputs, savable weights."""
+        if self.aux_scale is not None:
+            self.fc.weight.mul_(self.aux_scale)  # (d, m·d_t) * (m·d_t,)
+            self.aux_scale = None
+
     # ---- forward ----
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux (B, T, m·d_t): the target's states at ``layer_ids``, concatenated -> g (B, T, d)."""
@@ -304,6 +327,8 @@ class Eagle3Draft(nn.Module):
             x = aux.unflatten(-1, (m, dt))  # (B, T, m, d_t)
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * self.fc_norm
             aux = x.flatten(-2)  # (B, T, m·d_t)
+        if self.aux_scale is not None:  # right before fc, so that it folds into fc's columns
+            aux = aux * self.aux_scale  # (B, T, m·d_t)
         return self.fc(aux)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -382,6 +407,8 @@ class Eagle3Draft(nn.Module):
     # ---- persistence ----
     def state_for_save(self) -> dict[str, torch.Tensor]:
         """Tensors of ``model.safetensors``: EAGLE3 names, no embeddings, no rotary buffer."""
+        if self.aux_scale is not None:
+            raise ValueError("the draft still trains fc on rescaled inputs: call fold_aux_scale() before saving")
         return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
 
     def save_pretrained(self, path: str | Path) -> None:

@@ -6,6 +6,10 @@ Step by step (Li et al., "EAGLE-3", 2025, with this project's choices from DESIG
    (``elsi.draft.vocab``); a position whose target argmax is outside it is masked.
 3. Loss of one batch: ``unroll`` the draft ``ttt`` steps; step j is scored against the
    target's distribution on the draft vocabulary at the position j+1 ahead, weight 0.8^j.
+   That distribution is EAGLE3's softmax over ``target_logits[..., t2d]``: the softmax of
+   the V_draft logits of the target's head rows at the draft ids (``LabelHead``, computed
+   once per batch from the cached LM-head inputs), i.e. the full softmax restricted to the
+   draft vocabulary and renormalised.
 4. AdamW, linear warm-up then cosine decay, gradient-norm clip; stop at ``epochs``,
    ``max_steps`` or ``time_budget``, whichever comes first; checkpoint to resume.
 
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from elsi.config import opt
-from elsi.draft.features import FeatureStore, label_logits, split_samples
+from elsi.draft.features import FeatureStore, split_samples
 from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
 from elsi.draft.vocab import build_vocab
 from elsi.models.load import Target
@@ -55,17 +59,23 @@ class TrainConfig:
     layers: str = opt(help="target hidden-state ids the draft reads, e.g. 2,15,27 (DESIGN.md numbering)")
     out: str = opt(help="output directory of the draft (model.safetensors, config.json, training.json)")
     draft_vocab: int = opt(8192, "draft vocabulary: the most frequent target tokens of the training data")
-    ttt: int = opt(7, "training-time-test unroll depth (step i weighted 0.8^i)")
-    lr: float = opt(1e-3, "peak learning rate of AdamW")
+    ttt: int = opt(1, "training-time-test unroll depth (step i weighted 0.8^i); 1 = depth-1 only, the best use of "
+                      "a CPU budget; EAGLE3 uses 7 (each step costs about one more depth-1 pass)")
+    lr: float = opt(3e-3, "peak learning rate of AdamW")
     weight_decay: float = opt(0.0, "AdamW weight decay")
-    warmup_steps: int = opt(50, "linear warm-up steps")
+    warmup_steps: int = opt(10, "linear warm-up steps")
     epochs: float = opt(4.0, "passes over the training split (fractions allowed)")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit)")
     time_budget: str = opt("20m", "wall-clock limit of the training loop, e.g. 20m, 90s (features not counted)")
-    batch_size: int = opt(4, "conversations per optimizer step")
+    batch_size: int = opt(1, "conversations per optimizer step (padded to the longest; 1 = no padding, most steps)")
     grad_clip: float = opt(0.5, "gradient-norm clip")
     heldout: float = opt(0.05, "fraction of the conversations held out")
     fc_norm: bool = opt(False, "RMS-normalise each target state before fc (not loadable by vLLM/SGLang)")
+    aux_scale: bool = opt(False, "train fc on target states scaled to unit RMS per feature (folded into fc when "
+                                "saved: same EAGLE3 format); off = raw states")
+    head_init: str = opt("random", "initial LM head: 'target' (the target's head rows of the draft vocabulary, "
+                                   "final-norm scale folded in) or 'random'", choices=("target", "random"))
+    freeze_head: bool = opt(False, "keep the LM head at its initial weights (saves a third of its compute)")
     eval_every: str = opt("2m", "held-out check (on up to 16 held-out conversations) every this long")
     checkpoint_every: str = opt("2m", "checkpoint for resuming every this long")
     restart: bool = opt(False, "ignore an existing checkpoint in --out and start over")
@@ -77,6 +87,12 @@ class TrainConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.aux_scale and self.fc_norm:
+            raise ValueError("aux_scale and fc_norm both rescale fc's inputs; choose one")
+        if self.head_init not in ("target", "random"):
+            raise ValueError(f"head_init must be 'target' or 'random', got {self.head_init!r}")
+        if self.freeze_head and self.head_init == "random":
+            raise ValueError("freeze_head with head_init='random' would keep a random head; use head_init='target'")
         for name in ("time_budget", "eval_every", "checkpoint_every"):
             parse_duration(getattr(self, name))
 
@@ -94,11 +110,47 @@ class Batch:
     in_vocab: torch.Tensor  # (B, T) bool: the target's greedy token there is in the draft vocabulary
 
 
+@dataclass
+class LabelHead:
+    """The target's LM head restricted to the draft vocabulary (EAGLE3's ``target_logits[..., t2d]``).
+
+    Built once per training run; ``probs`` gives the soft labels: the target's distribution
+    over the draft vocabulary, i.e. softmax over the V_draft selected logits (equal to the
+    full-vocabulary softmax restricted to the draft ids and renormalised).
+    """
+
+    weight: torch.Tensor  # (V_draft, d) rows of the target's output embedding at the draft ids
+    bias: torch.Tensor | None  # (V_draft,) or None
+    softcap: float | None  # the target's final logit soft-capping, if any
+
+    @classmethod
+    def build(cls, target: Target, vocab_ids: torch.Tensor, device: torch.device) -> LabelHead:
+        head = target.model.get_output_embeddings()
+        ids = vocab_ids.to(head.weight.device)
+        bias = getattr(head, "bias", None)
+        cap = getattr(target.model.config.get_text_config(), "final_logit_softcapping", None)
+        return cls(weight=head.weight.detach()[ids].float().to(device),  # (V_draft, d)
+                   bias=None if bias is None else bias.detach()[ids].float().to(device), softcap=cap or None)
+
+    @torch.no_grad()
+    def probs(self, final: torch.Tensor) -> torch.Tensor:
+        """final (..., d) LM-head inputs -> the target's distribution on the draft vocabulary (..., V_draft)."""
+        logits = final.to(self.weight.dtype) @ self.weight.T  # (..., V_draft)
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return torch.softmax(logits, dim=-1)
+
+
 def make_batch(target: Target, samples: Sequence[dict], vocab_ids: torch.Tensor, t2d: torch.Tensor,
-               device: torch.device, score: Sequence[torch.Tensor] | None = None) -> Batch:
+               device: torch.device, score: Sequence[torch.Tensor] | None = None,
+               label_head: LabelHead | None = None) -> Batch:
     """Pad feature samples (see ``FeatureStore.sample``) into a ``Batch`` on ``device``.
 
     ``score``: optional per-sample bool masks (T_k,) over positions: which positions count.
+    ``label_head``: the restricted head for ``vocab_ids`` (built here when None; pass it to
+    avoid gathering the V_draft rows of the target's head for every batch).
     """
     t = max(s["ids"].shape[0] for s in samples) - 1
     b = len(samples)
@@ -115,12 +167,49 @@ def make_batch(target: Target, samples: Sequence[dict], vocab_ids: torch.Tensor,
         argmax[k, :n] = s["argmax"][1:]  # target's prediction made at positions 1..n
         final[k, :n] = s["final"][1:].float()
         valid[k, :n] = True if score is None else score[k][1:]
-    with torch.no_grad():
-        probs = torch.softmax(label_logits(target, final.to(device), vocab_ids.to(device)).float(), dim=-1)  # (B, T, Vd)
+    if label_head is None:
+        label_head = LabelHead.build(target, vocab_ids, device)
+    probs = label_head.probs(final.to(device))  # (B, T, V_draft)
     t2d = t2d.to(device)
     return Batch(aux=aux.to(device), input_ids=ids.to(device),
                  position_ids=torch.arange(t, device=device).expand(b, t), probs=probs,
                  argmax=argmax.to(device), valid=valid.to(device), in_vocab=t2d[argmax.to(device)])
+
+
+@torch.no_grad()
+def feature_scale(store: FeatureStore, indices: Sequence[int], layer_pos: Sequence[int],
+                  max_tokens: int = 16384) -> torch.Tensor:
+    """1 / RMS of each input feature of fc over the first ``max_tokens`` tokens of ``indices`` -> (m·d_t,).
+
+    Features that never move (RMS below 1e-3) keep scale 1.
+    """
+    sq, n = None, 0
+    for i in indices:
+        aux = store.sample(i, layer_pos)["aux"].float()  # (T, m·d_t)
+        sq = aux.pow(2).sum(0) if sq is None else sq + aux.pow(2).sum(0)
+        n += aux.shape[0]
+        if n >= max_tokens:
+            break
+    rms = (sq / max(1, n)).sqrt()  # (m·d_t,)
+    return torch.where(rms > 1e-3, 1.0 / rms, torch.ones_like(rms))
+
+
+@torch.no_grad()
+def target_head_rows(target: Target, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM head as a draft head over ``vocab_ids`` (V_draft,) -> weight (V_draft, d).
+
+    The draft computes ``lm_head(norm(h))`` with a unit-weight RMSNorm; the target computes
+    ``W (s * h / rms(h))`` with its final norm's scale s. Folding s into the rows makes the
+    draft's head equal the target's head (restricted to the draft vocabulary) at initialisation.
+    s is read off the norm module itself (so (1 + w) norms work too): a row e_k has rms
+    1/sqrt(d), so norm(I) = sqrt(d)·diag(s) up to eps.
+    """
+    head = target.model.get_output_embeddings().weight  # (V_target, d)
+    d = head.shape[1]
+    norm = target.adapter.decoder(target.model).norm
+    eye = torch.eye(d, device=head.device, dtype=head.dtype)  # (d, d)
+    scale = torch.diagonal(norm(eye)).float() / math.sqrt(d)  # (d,)
+    return head[vocab_ids.to(head.device)].float() * scale  # (V_draft, d)
 
 
 def _shift(x: torch.Tensor, j: int, fill) -> torch.Tensor:
@@ -144,18 +233,21 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int, decay: float = 0.8):
     outs = draft.unroll(g, batch.input_ids, batch.position_ids, steps)
     total = g.new_zeros(())
     stats = []
+    t = batch.input_ids.shape[1]
     for j, (logits, _) in enumerate(outs):
-        probs = _shift(batch.probs, j, 0.0)  # (B, T, Vd)
-        valid = _shift(batch.valid, j, False)  # (B, T)
-        inv = _shift(batch.in_vocab, j, False) & valid  # (B, T)
-        want = _shift(batch.argmax, j, -1)  # (B, T)
-        logq = F.log_softmax(logits.float(), dim=-1)  # (B, T, Vd)
-        ce = -(probs * logq).sum(-1)  # (B, T)
+        # Rows 0..T-1-j of step j are scored at target positions j+1..T: slices, not shifted copies.
+        logits = logits[:, : t - j]  # (B, T-j, Vd)
+        probs = batch.probs[:, j:]  # (B, T-j, Vd)
+        valid = batch.valid[:, j:]  # (B, T-j)
+        inv = batch.in_vocab[:, j:] & valid  # (B, T-j)
+        want = batch.argmax[:, j:]  # (B, T-j)
+        logq = F.log_softmax(logits.float(), dim=-1)  # (B, T-j, Vd)
+        ce = -(probs * logq).sum(-1)  # (B, T-j)
         n_in = inv.sum()
         step_loss = (ce * inv).sum() / n_in.clamp(min=1)
         total = total + decay**j * step_loss
         with torch.no_grad():
-            hit = (draft.to_target_ids(logits.argmax(-1)) == want) & valid  # (B, T)
+            hit = (draft.to_target_ids(logits.argmax(-1)) == want) & valid  # (B, T-j)
         stats.append({"loss": float(step_loss.detach()), "correct": int(hit.sum()), "scored": int(valid.sum()),
                       "correct_in_vocab": int((hit & inv).sum()), "in_vocab": int(n_in)})
     return total, stats, outs
@@ -177,9 +269,10 @@ def evaluate_store(draft: Eagle3Draft, target: Target, store: FeatureStore, indi
     runs = torch.zeros(steps + 1, dtype=torch.long)  # histogram of accepted chain lengths
     was = draft.training
     draft.eval()
+    label_head = LabelHead.build(target, vocab_ids, device)
     for a in range(0, len(indices), batch_size):
         batch = make_batch(target, [store.sample(i, layer_pos) for i in indices[a: a + batch_size]],
-                           vocab_ids, draft.t2d, device)
+                           vocab_ids, draft.t2d, device, label_head=label_head)
         _, stats, outs = ttt_loss(draft, batch, steps)
         for s, acc in zip(stats, agg):
             acc["loss_sum"] += s["loss"] * s["in_vocab"]
@@ -273,7 +366,14 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
     gen = torch.Generator().manual_seed(seed)
     init_weights(draft, gen)
     draft.set_vocab(d2t, t2d)
+    if cfg.head_init == "target":
+        with torch.no_grad():
+            draft.lm_head.weight.copy_(target_head_rows(target, vocab_ids))
+    draft.lm_head.weight.requires_grad_(not cfg.freeze_head)
+    if cfg.aux_scale:
+        draft.set_aux_scale(feature_scale(store, train_idx, layer_pos))
     draft.to(device).train()
+    label_head = LabelHead.build(target, vocab_ids, device)
     opt_ = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
                              betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     state = {"step": 0, "epoch": 0, "pos": 0, "elapsed": 0.0, "tokens": 0, "curve": [], "heldout_curve": []}
@@ -322,7 +422,8 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
             perm = order(state["epoch"])
         idx = perm[state["pos"]: state["pos"] + cfg.batch_size]
         state["pos"] += len(idx)
-        batch = make_batch(target, [store.sample(i, layer_pos) for i in idx], vocab_ids, t2d, device)
+        batch = make_batch(target, [store.sample(i, layer_pos) for i in idx], vocab_ids, t2d, device,
+                           label_head=label_head)
         progress = state["step"] / total_steps if step_based else max(state["step"] / total_steps,
                                                                       state["elapsed"] / budget)
         lr = cfg.lr * lr_factor(state["step"], progress, cfg.warmup_steps)
@@ -331,7 +432,7 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
         loss, stats, _ = ttt_loss(draft, batch, cfg.ttt)
         opt_.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], cfg.grad_clip)
         opt_.step()
         state["step"] += 1
         state["tokens"] += stats[0]["scored"]
@@ -358,6 +459,7 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
     save_checkpoint()
 
     # Step 4: held-out figures, then the draft and its record.
+    draft.fold_aux_scale()  # the weights that are saved are the ones evaluated
     final = evaluate_store(draft, target, store, held_idx, vocab_ids, cfg.ttt, cfg.batch_size, device)
     draft.save_pretrained(out)
     record = {

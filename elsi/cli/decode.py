@@ -1,0 +1,97 @@
+"""``elsi generate`` (one answer, plain or speculative) and ``elsi bench`` (Spec-Bench)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from elsi.cli.common import Command, Runtime, print_json, table
+from elsi.config import opt
+from elsi.decode import DecodeConfig, TargetRunner, TreeConfig, generate, load_drafter, stop_tokens
+from elsi.models import DEFAULT_MODEL, load_target
+from elsi.specbench import BenchConfig, encode_chat, machine_info, run_bench, summary_rows
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """The target, the draft and the prompt."""
+
+    model: str = opt(DEFAULT_MODEL, "target: alias, HF model directory, .gguf file or hub id")
+    draft: str = opt("", "draft directory, 'random' (untrained EAGLE3 draft) or 'target' (perfect drafter); "
+                         "empty = plain decoding, one token per step")
+    prompt: str = opt("", "the user message")
+    prompt_file: str = opt("", "read the user message from this file")
+    raw: bool = opt(False, "send the prompt as is, without the chat template")
+    seed: int = opt(0, "seed of the sampling generator")
+    json: bool = opt(False, "print JSON: tokens, text, steps, accepted length per step, tokens/s")
+
+
+def _prompt_text(args: GenerateArgs) -> str:
+    if bool(args.prompt) == bool(args.prompt_file):
+        raise ValueError("give exactly one of --prompt and --prompt-file")
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file not found: {path}")
+        return path.read_text(encoding="utf-8")
+    return args.prompt
+
+
+def generate_cmd(args: GenerateArgs, dcfg: DecodeConfig, tree: TreeConfig, rt: Runtime) -> int:
+    text = _prompt_text(args)
+    device, dtype = rt.setup()
+    target = load_target(args.model, device, dtype, rt.trust_remote_code)
+    drafter, info = load_drafter(args.draft, target, args.seed)
+    ids = encode_chat(target.tokenizer, [("user", text)], raw=args.raw)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    g = generate(TargetRunner.from_target(target), ids, dcfg, drafter, tree,
+                 stop_tokens(target.model, target.tokenizer), gen)
+    out_text = target.tokenizer.decode(g.tokens, skip_special_tokens=True)
+    if args.json:
+        print_json({"text": out_text, **g.to_json(), "draft": info, "tree": tree.__dict__ if drafter else None,
+                    "decode": dcfg.__dict__})
+        return 0
+    print(out_text)
+    tau = f", tau {g.tau:.2f}" if drafter is not None else ""
+    print(f"[{len(g.tokens)} tokens in {g.steps} steps{tau}, {g.tokens_per_s:.1f} tokens/s, stop: {g.stop}]",
+          file=sys.stderr)
+    return 0
+
+
+def bench_cmd(cfg: BenchConfig, rt: Runtime) -> int:
+    device, dtype = rt.setup()
+    target = load_target(cfg.model, device, dtype, rt.trust_remote_code)
+    drafter, info = load_drafter(cfg.draft, target, cfg.seed)
+    if drafter is None:
+        print("elsi bench: no --draft: timing plain decoding and transformers generate only", file=sys.stderr)
+
+    def show(a, done: int, total: int) -> None:
+        print(f"\r[{done}/{total}] {a.subtask} q{a.question_id}: {a.tokens_per_s:.1f} tok/s", end="",
+              file=sys.stderr, flush=True)
+
+    res = run_bench(target, drafter, cfg, on_answer=show)
+    print(file=sys.stderr)
+    from elsi.collect.collector import package_versions
+
+    res = {"command": "elsi bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "elsi bench",
+           "draft": info, "versions": package_versions(), "machine": machine_info(), **res}
+    header, rows = summary_rows(res)
+    print(table(rows, header))
+    if cfg.out:
+        path = Path(cfg.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
+COMMANDS = [
+    Command("generate", "answer one prompt with lossless tree speculative decoding (or plainly, without --draft)",
+            (GenerateArgs, DecodeConfig, TreeConfig, Runtime), generate_cmd),
+    Command("bench", "Spec-Bench: tau per subtask and speed-ups against plain decoding and transformers generate",
+            (BenchConfig, Runtime), bench_cmd),
+]

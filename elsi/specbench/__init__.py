@@ -1,0 +1,13 @@
+"""Spec-Bench: tau per subtask and speed-ups of speculative decoding (``elsi bench``)."""
+
+from elsi.specbench.runner import (
+    Answer,
+    BenchConfig,
+    encode_chat,
+    machine_info,
+    run_bench,
+    summarize,
+    summary_rows,
+)
+
+__all__ = ["Answer", "BenchConfig", "encode_chat", "machine_info", "run_bench", "summarize", "summary_rows"]

@@ -1,0 +1,249 @@
+"""Spec-Bench: speculative decoding against plain decoding and transformers ``generate``.
+
+Xia et al., "Unlocking Efficiency in Large Language Model Inference: A Comprehensive Survey
+of Speculative Decoding" (Spec-Bench, 2024). For every question and temperature each method
+answers in turn (interleaved, so machine load hits all alike): transformers ``generate``,
+this engine's plain decoding, and speculative decoding at each tree size. mt_bench questions
+have two turns; each method keeps its own first answer in the context of the second.
+
+Metrics (DESIGN.md): tokens/s of a question = its new tokens over its wall time (both turns,
+prefill included); speed-up = mean over questions of the tokens/s ratio; tau = accepted
+tokens over steps, pooled over all steps of a subtask. Warm-up generations are not timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from elsi.config import opt
+from elsi.data.conversations import Sample, render
+from elsi.data.spec_bench import SUBTASKS, Question, load_questions
+from elsi.decode.engine import DecodeConfig, Drafter, TargetRunner, generate, stop_tokens
+from elsi.decode.tree import TreeConfig
+from elsi.models import DEFAULT_MODEL
+
+
+def _like(cls: type, name: str, default=dataclasses.MISSING, help_suffix: str = ""):
+    """A field declared like ``cls.name`` (same help and default, written once there)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return opt(f.default if default is dataclasses.MISSING else default, f.metadata["help"] + help_suffix)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What the benchmark runs."""
+
+    model: str = opt(DEFAULT_MODEL, "target: alias, HF model directory, .gguf file or hub id")
+    draft: str = opt("", "draft: a trained draft directory, 'random' (untrained EAGLE3 draft), "
+                         "'target' (the target itself: a perfect drafter); empty = no speculative runs")
+    subtasks: list[str] = opt(["all"], f"Spec-Bench subtasks ({', '.join(SUBTASKS)}) or all")
+    questions_per_subtask: int = opt(80, "questions per subtask (file order)")
+    max_new_tokens: int = _like(DecodeConfig, "max_new_tokens", help_suffix=" (per turn)")
+    temperature: list[float] = opt([0.0], "temperatures to run (0 = greedy)")
+    top_p: float = _like(DecodeConfig, "top_p")
+    tree_nodes: list[int] = opt([60], "tree sizes to run (drafted tokens per step)")
+    depth: int = _like(TreeConfig, "depth")
+    top_k: int = _like(TreeConfig, "top_k")
+    hf_generate: bool = opt(True, "also time transformers generate (the reference baseline)")
+    warmup: int = opt(1, "untimed warm-up answers per method before the timed ones")
+    seed: int = opt(0, "seed of the sampling generators")
+    out: str = opt("", "write the results JSON here")
+
+    def __post_init__(self) -> None:
+        if self.questions_per_subtask < 1:
+            raise ValueError(f"questions_per_subtask must be >= 1, got {self.questions_per_subtask}")
+        for n in self.tree_nodes:
+            TreeConfig(n, self.depth, self.top_k)  # validates
+        for t in self.temperature:
+            DecodeConfig(self.max_new_tokens, t, self.top_p)
+
+
+def encode_chat(tokenizer, turns: list[tuple[str, str]], raw: bool = False) -> list[int]:
+    """Token ids of a conversation ending in a generation prompt (``raw``: the last text as is)."""
+    if raw:
+        return list(tokenizer(turns[-1][1])["input_ids"])
+    text = render(Sample(id="q", messages=tuple(turns)), tokenizer, add_generation_prompt=True)
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+
+
+@dataclass
+class Answer:
+    """One method's answer to one question (all turns)."""
+
+    question_id: int
+    subtask: str
+    method: str  # "hf_generate", "plain" or "spec"
+    temperature: float
+    tree_nodes: int | None
+    new_tokens: int
+    time_s: float
+    steps: int  # engine steps (0 for hf_generate)
+    accepted: int  # tokens added by those steps (tau = accepted / steps)
+    profile: dict[str, float]  # engine phases, seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.time_s if self.time_s > 0 else 0.0
+
+
+# A method: (tokenizer-encoded prompt ids, generator) -> (new token ids, seconds, steps, accepted, profile)
+Method = Callable[[list[int], torch.Generator], tuple[list[int], float, int, int, dict]]
+
+
+def engine_method(runner: TargetRunner, dcfg: DecodeConfig, eos: set[int], drafter: Drafter | None = None,
+                  tree: TreeConfig | None = None) -> Method:
+    def run(ids: list[int], gen: torch.Generator):
+        g = generate(runner, ids, dcfg, drafter, tree, eos, gen)
+        return g.tokens, g.total_s, g.steps, sum(g.accepted), g.profile
+
+    return run
+
+
+def hf_method(model, dcfg: DecodeConfig, eos: set[int], pad: int) -> Method:
+    """transformers ``generate`` with the same stopping rule and sampling settings."""
+    from transformers import GenerationConfig
+
+    sample = dcfg.temperature > 0
+    gcfg = GenerationConfig(max_new_tokens=dcfg.max_new_tokens, do_sample=sample,
+                            temperature=dcfg.temperature if sample else None,
+                            top_p=dcfg.top_p if sample else None, top_k=0 if sample else None,
+                            eos_token_id=sorted(eos), pad_token_id=pad)
+    device = next(model.parameters()).device
+
+    def run(ids: list[int], gen: torch.Generator):
+        x = torch.tensor([ids], device=device)  # (1, P)
+        if sample:  # generate draws from the global generator: seed it from ours
+            torch.manual_seed(int(torch.randint(2**31 - 1, (1,), generator=gen, device=gen.device)))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gcfg)
+        dt = time.perf_counter() - t0
+        return out[0, len(ids):].tolist(), dt, 0, 0, {}
+
+    return run
+
+
+def answer(method: Method, name: str, q: Question, tokenizer, temperature: float, tree_nodes: int | None,
+           gen: torch.Generator) -> Answer:
+    """All turns of ``q``; each answer is kept in the context of the next turn."""
+    turns: list[tuple[str, str]] = []
+    new = steps = acc = 0
+    total = 0.0
+    prof: dict[str, float] = {}
+    for text in q.turns:
+        turns.append(("user", text))
+        toks, dt, s, a, p = method(encode_chat(tokenizer, turns), gen)
+        turns.append(("assistant", tokenizer.decode(toks, skip_special_tokens=True)))
+        new, total, steps, acc = new + len(toks), total + dt, steps + s, acc + a
+        for k, v in p.items():
+            prof[k] = prof.get(k, 0.0) + v
+    return Answer(q.question_id, q.subtask, name, temperature, tree_nodes, new, total, steps, acc, prof)
+
+
+def machine_info() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
+              on_answer: Callable[[Answer, int, int], None] | None = None) -> dict:
+    """Every method on every question at every temperature -> the results dict (see ``summarize``)."""
+    questions = load_questions(cfg.subtasks, cfg.questions_per_subtask)
+    runner = TargetRunner.from_target(target)
+    eos = stop_tokens(target.model, target.tokenizer)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(eos)
+    answers: list[Answer] = []
+    total = len(cfg.temperature) * len(questions)
+    done = 0
+    for temp in cfg.temperature:
+        dcfg = DecodeConfig(cfg.max_new_tokens, temp, cfg.top_p)
+        methods: list[tuple[str, int | None, Method]] = []
+        if cfg.hf_generate:
+            methods.append(("hf_generate", None, hf_method(target.model, dcfg, eos, pad)))
+        methods.append(("plain", None, engine_method(runner, dcfg, eos)))
+        if drafter is not None:
+            for n in cfg.tree_nodes:
+                tree = TreeConfig(n, cfg.depth, cfg.top_k)
+                methods.append(("spec", n, engine_method(runner, dcfg, eos, drafter, tree)))
+        warm = DecodeConfig(min(16, cfg.max_new_tokens), temp, cfg.top_p)
+        for _ in range(cfg.warmup):
+            for name, n, _m in methods:
+                m = (hf_method(target.model, warm, eos, pad) if name == "hf_generate" else
+                     engine_method(runner, warm, eos, drafter if name == "spec" else None,
+                                   TreeConfig(n, cfg.depth, cfg.top_k) if n else None))
+                answer(m, name, questions[0], target.tokenizer, temp, n,
+                       torch.Generator(device=runner.device).manual_seed(cfg.seed))
+        for q in questions:
+            for name, n, m in methods:
+                gen = torch.Generator(device=runner.device).manual_seed(cfg.seed + q.question_id)
+                a = answer(m, name, q, target.tokenizer, temp, n, gen)
+                answers.append(a)
+            done += 1
+            if on_answer is not None:
+                on_answer(a, done, total)
+    return summarize(answers, cfg)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _stats(group: list[Answer], base: dict[tuple, Answer], hf: dict[tuple, Answer]) -> dict:
+    """Metrics of one method over a group of answers (one subtask or all)."""
+    steps = sum(a.steps for a in group)
+    key = lambda a: (a.question_id, a.temperature)  # noqa: E731
+    vs_plain = [a.tokens_per_s / base[key(a)].tokens_per_s for a in group
+                if key(a) in base and base[key(a)].tokens_per_s > 0]
+    vs_hf = [a.tokens_per_s / hf[key(a)].tokens_per_s for a in group if key(a) in hf and hf[key(a)].tokens_per_s > 0]
+    prof_steps = {}
+    if steps:
+        for k in sorted({k for a in group for k in a.profile}):
+            prof_steps[k] = 1000 * sum(a.profile.get(k, 0.0) for a in group) / steps
+    return {
+        "questions": len(group),
+        "new_tokens": sum(a.new_tokens for a in group),
+        "time_s": sum(a.time_s for a in group),
+        "tokens_per_s": _mean([a.tokens_per_s for a in group]),
+        "tau": sum(a.accepted for a in group) / steps if steps else None,
+        "steps": steps,
+        "speedup_vs_plain": _mean(vs_plain),
+        "speedup_vs_hf": _mean(vs_hf),
+        "ms_per_step": prof_steps,
+    }
+
+
+def summarize(answers: list[Answer], cfg: BenchConfig) -> dict:
+    """Per (temperature, method, tree size): overall and per-subtask metrics, plus every answer."""
+    base = {(a.question_id, a.temperature): a for a in answers if a.method == "plain"}
+    hf = {(a.question_id, a.temperature): a for a in answers if a.method == "hf_generate"}
+    runs = []
+    for key in dict.fromkeys((a.temperature, a.method, a.tree_nodes) for a in answers):
+        group = [a for a in answers if (a.temperature, a.method, a.tree_nodes) == key]
+        subs = {s: _stats([a for a in group if a.subtask == s], base, hf)
+                for s in dict.fromkeys(a.subtask for a in group)}
+        runs.append({"temperature": key[0], "method": key[1], "tree_nodes": key[2],
+                     "overall": _stats(group, base, hf), "subtasks": subs})
+    return {"settings": dataclasses.asdict(cfg), "runs": runs,
+            "answers": [dataclasses.asdict(a) for a in answers]}
+
+
+def summary_rows(results: dict) -> tuple[list[str], list[list]]:
+    """A table of the runs: header and rows (tokens/s, tau, speed-ups; tau per subtask)."""
+    subtasks = list(dict.fromkeys(s for r in results["runs"] for s in r["subtasks"]))
+    header = ["T", "method", "nodes", "tok/s", "tau", "vs plain", "vs HF"] + [f"tau {s}" for s in subtasks]
+    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    rows = []
+    for r in results["runs"]:
+        o = r["overall"]
+        rows.append([f(r["temperature"], 1), r["method"], r["tree_nodes"] or "-", f(o["tokens_per_s"], 1),
+                     f(o["tau"]) if r["method"] == "spec" else "-", f(o["speedup_vs_plain"]), f(o["speedup_vs_hf"])]
+                    + [f(r["subtasks"].get(s, {}).get("tau")) if r["method"] == "spec" else "-" for s in subtasks])
+    return header, rows
