@@ -173,7 +173,8 @@ def test_short_samples_are_skipped_and_counted(tiny_target, tmp_path):
     cfg = CollectConfig(model="tiny", data=str(data), samples=5, max_tokens=64, block=8)
     man = collect(tiny_target, load_dataset(str(data)), cfg, tmp_path / "s")
     assert man["counts"]["samples_used"] == 1
-    assert man["counts"]["samples_skipped"] == {"empty": 2, "too_short": 1}
+    assert man["counts"]["samples_skipped"] == {"too_short": 1}
+    assert man["counts"]["data_records_unusable"] == {"empty": 2}
     assert "note" in man["counts"]
 
 

@@ -59,7 +59,8 @@ def analyze(ccfg: CollectConfig, acfg: AnalysisConfig, dest: AnalyzeOutput, rt: 
     c = man["counts"]
     print(
         f"{run_dir}: {c['samples_used']} samples, {c['tokens_seen']} tokens seen, {c['tokens_kept']} kept, "
-        f"{c['blocks']} blocks; skipped {c['samples_skipped']}"
+        f"{c['blocks']} blocks; samples skipped {c['samples_skipped'] or 'none'}; "
+        f"unusable records in the data {c.get('data_records_unusable') or 'none'}"
     )
     rows = [
         [l, f"{h:.4f}", f"{s:.4f}" if s is not None else "-", f"{hn:.4f}", f"{t:.4f}" if not math.isnan(t) else "-"]

@@ -161,7 +161,7 @@ def collect(
     store = ShardStore(run_dir, rank)
     done = store.done()
     done_idx = {r["index"] for r in done}
-    skipped: Counter = Counter(dataset.skipped)
+    skipped: Counter = Counter()  # samples drawn but not used, by reason
     pending = _Pending()
     used = len(done)
     t0, tokens_seen, last_flush = time.perf_counter(), 0, time.perf_counter()
@@ -217,12 +217,12 @@ def collect(
     flush()
     _barrier()
     if rank == 0:
-        man = _finish(run_dir, man, store, skipped)
+        man = _finish(run_dir, man, store, skipped, dict(dataset.skipped))
     _barrier()
     return man if rank == 0 else read_json(run_dir / MANIFEST)
 
 
-def _finish(run_dir: Path, man: dict, store: ShardStore, skipped: Counter) -> dict:
+def _finish(run_dir: Path, man: dict, store: ShardStore, skipped: Counter, unusable: dict) -> dict:
     """Merge the shards into grams.safetensors and complete the manifest."""
     records = store.done()
     if not records:
@@ -235,6 +235,7 @@ def _finish(run_dir: Path, man: dict, store: ShardStore, skipped: Counter) -> di
         counts={
             "samples_used": len(records),
             "samples_skipped": dict(skipped),
+            "data_records_unusable": unusable,
             "tokens_seen": int(sum(r["tokens"] for r in records)),
             "tokens_kept": int(sum(r["kept"] for r in records)),
             "tokens_in_blocks": int(sum(r["blocks"] for r in records)) * man["settings"]["block"],
