@@ -58,6 +58,8 @@ def run_facts(run: dict) -> list[tuple[str, str]]:
         ("layers N", str(a.get("num_layers"))),
         ("hidden size", str(a.get("hidden_size"))),
         ("samples used", f"{c.get('samples_used', '–')} (skipped: {skipped_txt or 'none'})"),
+        ("unusable records in the data", ", ".join(f"{k}: {v}" for k, v in c.get("data_records_unusable", {}).items())
+         or "none"),
         ("tokens seen / kept / in blocks", f"{c.get('tokens_seen', '–')} / {c.get('tokens_kept', '–')} / "
                                            f"{c.get('tokens_in_blocks', '–')}"),
         ("blocks (filtered / unfiltered)", f"{c.get('blocks', '–')} / {c.get('blocks_unfiltered', '–')}"),
