@@ -62,14 +62,18 @@ def from_states_vs_grams(run_dir: Path, sel: Selector, samples: int, sets: list)
         cat = z.permute(0, 2, 1, 3).reshape(nb, sel.run.block, -1)  # (nb, B, m*d)
         return kernel_entropy(cat @ cat.transpose(-1, -2))
 
+    u = sel.run._layer_kernels(block_idx)  # (N+1, nb, B, B): built once per search, as SetScorer does
+
     def via_grams(layers):
-        return sel.run.block_entropies([layers], block_idx)[0]
+        return kernel_entropy(u[list(layers)].sum(0))
 
     for fn in (via_states, via_grams):  # warm-up
         fn(sets[0])
     t_states = min(timed(lambda: [via_states(s) for s in sets])[1] for _ in range(3))
     t_grams = min(timed(lambda: [via_grams(s) for s in sets])[1] for _ in range(3))
     diff = max(float((via_states(s) - via_grams(s)).abs().max()) for s in sets)
+    layers_total, d = states.shape[1], states.shape[-1]
+    all_blocks = sel.run.num_blocks
     return {
         "blocks": nb,
         "sets": len(sets),
@@ -77,6 +81,10 @@ def from_states_vs_grams(run_dir: Path, sel: Selector, samples: int, sets: list)
         "seconds_per_set_from_grams": t_grams / len(sets),
         "ratio_states_over_grams": t_states / t_grams,
         "max_abs_entropy_difference": diff,
+        "note": "from states each set pays for forming B x B kernels from m*d-wide blocks; G also needs far less memory",
+        "bytes_states_float16_all_blocks": all_blocks * layers_total * sel.run.block * d * 2,
+        "bytes_grams_float32_packed_all_blocks": all_blocks * layers_total * sel.run.block * (sel.run.block + 1) // 2 * 4,
+        "memory_ratio_states_over_grams": (d * 2) / ((sel.run.block + 1) / 2 * 4),
     }
 
 
