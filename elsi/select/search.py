@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import itertools
-import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -279,12 +277,3 @@ def parse_pool(text: str, num_layers: int) -> Set:
     """``--pool`` ("1-30", "1,5,9"; empty = 1..N)."""
     return tuple(sorted(parse_layers(text, num_layers))) if text else default_pool(num_layers)
 
-
-def timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
-
-
-def normalized(value: float, block: int) -> float:
-    return value / math.log(block)
