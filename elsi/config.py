@@ -19,6 +19,14 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", **meta) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
+def like(cls: type, name: str, default: Any = dataclasses.MISSING, help_suffix: str = "") -> Any:
+    """A field declared like ``cls.name``: the same help, and the same default unless ``default`` is given."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if default is dataclasses.MISSING:
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    return opt(default, f.metadata["help"] + help_suffix, **{k: v for k, v in f.metadata.items() if k != "help"})
+
+
 def _base_type(tp) -> tuple[type, bool]:
     """(element type, is_list) of an annotation like ``int``, ``list[float]``, ``str | None``."""
     origin = typing.get_origin(tp)
@@ -66,8 +74,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         group.add_argument(*names, **kwargs)
 
 
-def from_args(cls: type, ns: argparse.Namespace, **overrides):
-    """Build ``cls`` from parsed arguments (fields absent from ``ns`` keep their defaults)."""
-    vals = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(ns, f.name)}
+def from_args(cls: type, ns: argparse.Namespace, _skip: tuple[str, ...] = (), **overrides):
+    """Build ``cls`` from parsed arguments (fields absent from ``ns`` or in ``_skip`` keep their defaults)."""
+    vals = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
+            if f.init and f.name not in _skip and hasattr(ns, f.name)}
     vals.update(overrides)
     return cls(**vals)

@@ -79,3 +79,24 @@ def test_spec_bench_is_shipped_with_six_subtasks():
     assert len(load_questions(["qa"], per_subtask=3)) == 3
     with pytest.raises(ValueError, match="unknown Spec-Bench subtask"):
         load_questions(["nope"])
+
+
+def test_assistant_mask_marks_reply_tokens_only():
+    from conftest import make_tokenizer
+
+    from elsi.data.conversations import Sample, assistant_mask, tokenize
+
+    tok = make_tokenizer()
+    s = Sample("x", (("user", "the cat sat"), ("assistant", "on the mat"), ("user", "and then"),
+                     ("assistant", "it slept")))
+    ids = tokenize(s, tok, 1000)
+    mask = assistant_mask(s, tok, ids)
+    assert len(mask) == len(ids)
+    reply = tok.decode([t for t, m in zip(ids, mask) if m])
+    other = tok.decode([t for t, m in zip(ids, mask) if not m])
+    for word in ("on", "the", "mat", "it", "slept"):
+        assert word in reply
+    assert "cat" in other and "then" in other and "cat" not in reply and "then" not in reply
+    # Raw text and a cut sequence: every token counts / the mask follows the cut ids.
+    assert all(assistant_mask(Sample("t", text="the cat"), tok, [1, 2])) is True
+    assert assistant_mask(s, tok, ids[:5]) == mask[:5]

@@ -194,3 +194,17 @@ def load_names(path) -> list[str]:
 
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         return list(f.keys())
+
+
+def test_logits_to_keep_gives_the_last_rows(target):
+    draft = random_draft(target, [2, 5], draft_vocab=64, seed=4).eval()
+    d = target.hidden_size
+    g = torch.randn(1, 7, d, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(7)[None]
+    with torch.no_grad():
+        full, out = draft(ids, g, pos)
+        last, out1 = draft(ids, g, pos, logits_to_keep=2)
+    assert last.shape == (1, 2, 64)
+    torch.testing.assert_close(last, full[:, -2:])
+    torch.testing.assert_close(out1, out)

@@ -16,7 +16,8 @@ from elsi.cli.common import Command, build_configs
 from elsi.config import add_dataclass_args
 
 # Modules defining ``COMMANDS: list[Command]``, in pipeline order.
-COMMAND_MODULES = ("elsi.cli.analyze", "elsi.cli.select", "elsi.cli.draft", "elsi.cli.decode", "elsi.cli.report")
+COMMAND_MODULES = ("elsi.cli.analyze", "elsi.cli.select", "elsi.cli.draft", "elsi.cli.decode", "elsi.cli.study",
+                   "elsi.cli.report")
 
 
 def commands() -> list[Command]:
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd in commands():
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         for cls in cmd.configs:
-            add_dataclass_args(p, cls)
+            add_dataclass_args(p, cls, skip=cmd.skip.get(cls, ()))
         p.set_defaults(_command=cmd)
     return parser
 

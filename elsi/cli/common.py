@@ -6,8 +6,8 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
@@ -25,6 +25,9 @@ class Command:
     help: str
     configs: tuple[type, ...]
     run: Callable[..., int | None]  # called with one instance per config class, in order
+    # Fields of a config class that get no option (the command sets them itself); a skipped field
+    # keeps its default, a required one is given "" (the instance is then a template).
+    skip: Mapping[type, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,13 @@ def is_main_process() -> bool:
 
 
 def build_configs(cmd: Command, ns: argparse.Namespace) -> list:
-    return [from_args(cls, ns) for cls in cmd.configs]
+    out = []
+    for cls in cmd.configs:
+        skipped = cmd.skip.get(cls, ())
+        blank = {f.name: "" for f in fields(cls) if f.name in skipped
+                 and f.default is MISSING and f.default_factory is MISSING}
+        out.append(from_args(cls, ns, _skip=skipped, **blank))
+    return out
 
 
 def print_json(obj) -> None:

@@ -8,7 +8,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from elsi.cli.common import Command, Runtime, print_json, table
+from elsi.cli.common import Command, Runtime, is_main_process, print_json, table
 from elsi.data import load_dataset
 from elsi.draft.evaluate import EvalConfig, evaluate_draft, greedy_answers, trained_depth
 from elsi.draft.features import FeatureConfig, Progress as FeatureProgress, build_features, parse_layers
@@ -18,13 +18,16 @@ from elsi.models import load_target
 
 
 def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
+    """Under torchrun: rank 0 builds the feature cache, every rank trains its share (DDP), rank 0 prints."""
     device, dtype = rt.setup()
+    main = is_main_process()
     torch.manual_seed(fcfg.seed)  # the one global seed (HF internals); the draft's own randomness is injected
     target = load_target(fcfg.model, device, dtype, rt.trust_remote_code)
     layers = parse_layers(tcfg.layers, target.num_layers)
     dataset = load_dataset(fcfg.data)
 
-    bar = tqdm(total=fcfg.samples, desc="target features", unit="sample", file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=fcfg.samples, desc="target features", unit="sample", file=sys.stderr, dynamic_ncols=True,
+               disable=not main)
 
     def show_features(p: FeatureProgress) -> None:
         bar.n = p.samples_done
@@ -34,12 +37,13 @@ def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
     bar.n = min(len(store), fcfg.samples)
     bar.refresh()
     bar.close()
-    print(f"features: {min(len(store), fcfg.samples)} conversations, {store.num_tokens} tokens cached in {store.path}",
-          file=sys.stderr)
+    if main:
+        print(f"features: {min(len(store), fcfg.samples)} conversations, {store.num_tokens} tokens cached in "
+              f"{store.path}", file=sys.stderr)
 
     budget = parse_duration(tcfg.time_budget)
     tbar = tqdm(total=None if budget == float("inf") else int(budget), desc="train", unit="s", file=sys.stderr,
-                dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt}s [{postfix}]")
+                dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt}s [{postfix}]", disable=not main)
     held = [None]
 
     def show(p: Progress) -> None:
@@ -54,8 +58,11 @@ def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
                              f"lr {p.lr:.1e} {p.tokens / max(p.elapsed_s, 1e-9):.0f} tok/s", refresh=False)
         tbar.refresh()
 
-    rec = train_draft(target, store, tcfg, fcfg.seed, device, samples=fcfg.samples, on_progress=show)
+    rec = train_draft(target, store, tcfg, fcfg.seed, device, samples=fcfg.samples,
+                      on_progress=show if main else None)
     tbar.close()
+    if not main:
+        return 0
     h = rec["heldout"]
     rows = [[d, f"{m:.4f}", f"{mi:.4f}", f"{l:.3f}"] for d, m, mi, l in
             zip(h["depth"], h["match"], h["match_in_vocab"], h["loss"])]

@@ -18,12 +18,14 @@ class ReportArgs:
     run_dirs: list[str] = opt(help="run directories of finished `elsi analyze` runs (several: side by side)",
                               positional=True, nargs="+")
     out: str = opt("", "output folder (default: RUN_DIR/report; with several runs FIRST_RUN_DIR/report-compare)")
+    study: str = opt("", "a finished study directory (`elsi study --out`): adds its τ tables and the τ-against-entropy "
+                         "plot")
 
 
 def report(args: ReportArgs) -> int:
     out = args.out or default_out(args.run_dirs)
     command = "elsi report " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
-    paths = build_report(args.run_dirs, out, command=command)
+    paths = build_report(args.run_dirs, out, command=command, study=args.study or None)
     for name, path in paths.items():
         print(f"wrote {path}")
     if not any(name.endswith("beam_tree.png") for name in paths):

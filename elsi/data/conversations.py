@@ -220,6 +220,40 @@ def tokenize(sample: Sample, tokenizer, max_tokens: int) -> list[int]:
     return list(ids[:max_tokens])
 
 
+def assistant_mask(sample: Sample, tokenizer, ids: list[int]) -> list[bool]:
+    """Which of ``ids`` (``tokenize(sample, ...)``) belong to an assistant turn's reply.
+
+    The reply of turn k spans the characters between the rendering of the turns before it
+    (with the generation prompt) and the rendering up to and including it; token offsets map
+    that span to tokens (the turn's end-of-turn marker counts: the draft must predict it).
+    Raw text, or a template whose shorter renderings are not prefixes of the full one, marks
+    every token.
+    """
+    if sample.text is not None or not sample.messages:
+        return [True] * len(ids)
+    full = render(sample, tokenizer)
+    spans = []
+    for k, (role, _) in enumerate(sample.messages):
+        if role != "assistant":
+            continue
+        head = render(Sample(sample.id, sample.messages[:k]), tokenizer, add_generation_prompt=True)
+        upto = render(Sample(sample.id, sample.messages[: k + 1]), tokenizer)
+        if not (full.startswith(head) and full.startswith(upto) and len(upto) >= len(head)):
+            return [True] * len(ids)
+        spans.append((len(head), len(upto)))
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    try:
+        enc = tokenizer(full, add_special_tokens=not templated, return_offsets_mapping=True)
+    except NotImplementedError:  # a slow tokenizer without offsets
+        return [True] * len(ids)
+    offsets = enc["offset_mapping"][: len(ids)]
+    mask = []
+    for a, b in offsets:
+        mid = (a + b - 1) / 2 if b > a else a
+        mask.append(any(lo <= mid < hi for lo, hi in spans))
+    return mask + [True] * (len(ids) - len(mask))
+
+
 def sample_order(n: int, seed: int) -> np.ndarray:
     """Deterministic order in which samples are drawn for a seed."""
     return np.random.default_rng(seed).permutation(n)

@@ -55,7 +55,7 @@ class EagleSession:
         m = features.shape[0]
         g = draft.fuse(features[None])  # (1, m, d)
         pos = torch.arange(self.committed, self.committed + m, device=g.device)[None]  # (1, m)
-        logits, out = draft(tokens[-m:][None], g, pos, cache=self.cache)  # (1, m, V_draft), (1, m, d)
+        logits, out = draft(tokens[-m:][None], g, pos, cache=self.cache, logits_to_keep=1)  # (1, 1, V_draft), (1, m, d)
         self.committed += m
         self.root_hidden = out[0, -1:]  # (1, d)
         self.tree_hidden = out.new_zeros(0, out.shape[-1])

@@ -6,7 +6,9 @@ One target forward per sample gives, per token position t:
 - ``final``: the input of the target's LM head at t, (d,) float16, from which the soft labels
   on any draft vocabulary are recomputed (``elsi.draft.train.LabelHead``: only the V_draft
   rows of the target's head, once per batch);
-- ``states``: the hidden states at the cached layer ids, (L, d) float16.
+- ``states``: the hidden states at the cached layer ids, (L, d) float16;
+- ``mask``: whether the token belongs to an assistant reply (uint8); training and held-out
+  figures score the predictions of reply tokens only, as at decoding time.
 
 The cache directory is keyed by model, data and settings (max tokens, seed, regeneration),
 not by the number of samples: a longer run extends it and a shorter one reads its prefix.
@@ -23,17 +25,19 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from elsi.collect.collector import dist_info
 from elsi.config import opt
-from elsi.data.conversations import Dataset, Sample, iter_tokenized, render, tokenize
+from elsi.data.conversations import Dataset, Sample, assistant_mask, iter_tokenized, render, tokenize
 from elsi.models.load import Target, cache_dir
 
 MANIFEST = "features.json"
-FORMAT = 1
+FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,9 @@ class FeatureConfig:
     seed: int = opt(0, "seed of the sample order, the split and the draft's initialisation")
     regenerate: bool = opt(False, "let the target write the assistant turns itself (greedy), as EAGLE3 does")
     regen_max_new: int = opt(256, "with --regenerate: most new tokens per assistant turn")
-    regen_batch: int = opt(8, "with --regenerate: conversations generated together")
+    regen_turns: int = opt(0, "with --regenerate: keep only the first this many turns, each answered by the target "
+                              "(0 = all; 1 = one prompt and its answer, the cheapest on a CPU)")
+    regen_batch: int = opt(32, "with --regenerate: conversations generated together")
     cache_layers: str = opt("", "layer ids to cache (default: --layers); give the union to reuse the cache for several drafts")
     features_dir: str = opt("", "feature cache directory (default: $ELSI_CACHE/draft_features/<key>)")
     forward_batch: int = opt(1, "samples per target forward when computing features")
@@ -64,6 +70,8 @@ class FeatureConfig:
         what = {"format": FORMAT, "model": target_source, "data": self.data, "max_tokens": self.max_tokens,
                 "seed": self.seed, "regenerate": self.regenerate,
                 "regen_max_new": self.regen_max_new if self.regenerate else None}
+        if self.regenerate and self.regen_turns:  # absent for 0, so caches of all turns keep their key
+            what["regen_turns"] = self.regen_turns
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -111,6 +119,9 @@ class FeatureStore:
         if not (self.path / MANIFEST).is_file():
             raise FileNotFoundError(f"{self.path} holds no target features ({MANIFEST} missing)")
         self.manifest = json.loads((self.path / MANIFEST).read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{self.path} holds features of format {self.manifest.get('format')}, this elsi reads "
+                             f"format {FORMAT}: delete the directory (or choose another --features-dir) to rebuild it")
         self.layers: tuple[int, ...] = tuple(self.manifest["layers"])
         self.samples: list[dict] = self.manifest["samples"]
         self._shards: dict[int, dict[str, np.ndarray]] = {}
@@ -136,7 +147,7 @@ class FeatureStore:
     def _shard(self, k: int) -> dict[str, np.ndarray]:
         if k not in self._shards:
             self._shards[k] = {name: np.load(self.path / f"shard{k:05d}.{name}.npy", mmap_mode="r")
-                               for name in ("ids", "argmax", "final", "states")}
+                               for name in ("ids", "argmax", "final", "states", "mask")}
         return self._shards[k]
 
     def argmax(self, index: int) -> torch.Tensor:
@@ -145,16 +156,21 @@ class FeatureStore:
         return torch.from_numpy(self._shard(s["shard"])["argmax"][s["offset"]: s["offset"] + s["length"]].astype(np.int64))
 
     def sample(self, index: int, layer_pos: Sequence[int]) -> dict[str, torch.Tensor]:
-        """Sample ``index``: ids (T,) int64, argmax (T,) int64, final (T, d) fp16, aux (T, m·d) fp16."""
+        """Sample ``index``: ids (T,) int64, argmax (T,) int64, final (T, d) fp16, aux (T, m·d) fp16,
+        reply (T,) bool: position t predicts a token of an assistant reply (t+1 is one; the last
+        position copies its own flag)."""
         s = self.samples[index]
         sh = self._shard(s["shard"])
         a, b = s["offset"], s["offset"] + s["length"]
         states = torch.from_numpy(np.array(sh["states"][a:b][:, layer_pos]))  # (T, m, d)
+        mask = torch.from_numpy(sh["mask"][a:b].astype(bool))  # (T,)
+        reply = torch.cat([mask[1:], mask[-1:]])  # (T,)
         return {
             "ids": torch.from_numpy(sh["ids"][a:b].astype(np.int64)),  # (T,)
             "argmax": torch.from_numpy(sh["argmax"][a:b].astype(np.int64)),  # (T,)
             "final": torch.from_numpy(np.array(sh["final"][a:b])),  # (T, d)
             "aux": states.flatten(1),  # (T, m·d)
+            "reply": reply,
         }
 
 
@@ -163,17 +179,20 @@ def features_dir_for(cfg: FeatureConfig, target: Target) -> Path:
 
 
 @torch.no_grad()
-def regenerate_batch(target: Target, samples: Sequence[Sample], max_tokens: int, max_new: int) -> list[Sample]:
+def regenerate_batch(target: Target, samples: Sequence[Sample], max_tokens: int, max_new: int,
+                     turns: int = 0) -> list[Sample]:
     """The samples with every assistant turn rewritten by the target (greedy), turn by turn.
 
-    A conversation stops growing once its prompt reaches ``max_tokens``; later turns are dropped.
+    A conversation stops growing once its prompt reaches ``max_tokens`` or after ``turns``
+    user turns (0 = no limit); later turns are dropped.
     """
     tok, model, device = target.tokenizer, target.model, target.device
     convs: list[list[tuple[str, str]]] = [[m for m in s.messages if m[0] == "system"] for s in samples]
     users = [[c for r, c in s.messages if r == "user"] for s in samples]
     alive = [s.text is None for s in samples]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    for turn in range(max(len(u) for u in users)):
+    n_turns = max(len(u) for u in users)
+    for turn in range(min(n_turns, turns) if turns else n_turns):
         rows, prompts = [], []
         for k, s in enumerate(samples):
             if not alive[k] or turn >= len(users[k]):
@@ -230,7 +249,30 @@ def build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers:
 
     ``layers``: the draft's layers; the cache holds ``cfg.cache_layers`` (default ``layers``),
     which must include them. An existing cache must hold them too.
+    Under torch.distributed (torchrun) rank 0 builds the cache alone while the other ranks
+    wait at a barrier, then every rank opens it. The wait is on a CPU (gloo) group with a
+    one-day timeout, so that a long build does not trip the default group's (NCCL: 10 min).
     """
+    rank, world = dist_info()
+    if world == 1:
+        return _build_features(target, dataset, cfg, layers, on_progress, shard_samples)
+    import torch.distributed as dist
+
+    wait = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+    if rank == 0:
+        try:
+            return _build_features(target, dataset, cfg, layers, on_progress, shard_samples)
+        finally:
+            dist.barrier(group=wait)  # on failure too, so that no rank waits a day for it
+    dist.barrier(group=wait)
+    store = FeatureStore(features_dir_for(cfg, target))
+    store.layer_index(layers)
+    return store
+
+
+def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers: Sequence[int],
+                    on_progress: Callable[[Progress], None] | None, shard_samples: int) -> FeatureStore:
+    """``build_features`` in one process."""
     want = parse_layers(cfg.cache_layers or list(layers), target.num_layers)
     path = features_dir_for(cfg, target)
     if (path / MANIFEST).is_file():
@@ -247,7 +289,8 @@ def build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers:
             raise ValueError(f"--cache-layers {list(want)} must include the draft's layers; missing {missing}")
         man = {"format": FORMAT, "settings": {"model": cfg.model, "source": target.source, "data": cfg.data,
                                              "max_tokens": cfg.max_tokens, "seed": cfg.seed,
-                                             "regenerate": cfg.regenerate, "regen_max_new": cfg.regen_max_new},
+                                             "regenerate": cfg.regenerate, "regen_max_new": cfg.regen_max_new,
+                                             "regen_turns": cfg.regen_turns},
                "layers": list(want), "hidden_size": target.hidden_size, "num_layers": target.num_layers,
                "samples": [], "skipped": {}, "next_order": 0, "complete_for": 0, "seconds": 0.0}
     path.mkdir(parents=True, exist_ok=True)
@@ -289,12 +332,12 @@ def build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers:
             regen: list[Sample] = []
             for a in range(0, len(chunk), cfg.regen_batch):
                 part = [s for _, s, _ in chunk[a: a + cfg.regen_batch]]
-                regen.extend(regenerate_batch(target, part, cfg.max_tokens, cfg.regen_max_new))
+                regen.extend(regenerate_batch(target, part, cfg.max_tokens, cfg.regen_max_new, cfg.regen_turns))
                 if on_progress:
                     on_progress(Progress(done, cfg.samples, tokens, time.perf_counter() - t_begin, "regenerate"))
             chunk = [(i, s, tokenize(s, target.tokenizer, cfg.max_tokens)) for (i, _, _), s in zip(chunk, regen)]
         # Step 2: one target forward per sample (or batch) -> features of the shard.
-        parts: dict[str, list[np.ndarray]] = {"ids": [], "argmax": [], "final": [], "states": []}
+        parts: dict[str, list[np.ndarray]] = {"ids": [], "argmax": [], "final": [], "states": [], "mask": []}
         entries = []
         offset = 0
         shard = len({s["shard"] for s in man["samples"]})
@@ -306,6 +349,7 @@ def build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers:
                 parts["argmax"].append(am.numpy().astype(np.int32))
                 parts["final"].append(fin.numpy())
                 parts["states"].append(st.numpy())
+                parts["mask"].append(np.asarray(assistant_mask(sample, target.tokenizer, ids), dtype=np.uint8))
                 entries.append({"index": idx, "id": sample.id, "shard": shard, "offset": offset, "length": len(ids)})
                 offset += len(ids)
                 tokens += len(ids)

@@ -341,14 +341,16 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.norm(hidden_out))
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                cache: DraftCache | None = None, attention_mask: torch.Tensor | None = None):
+                cache: DraftCache | None = None, attention_mask: torch.Tensor | None = None,
+                logits_to_keep: int = 0):
         """One draft pass.
 
         input_ids (B, T): x_{i+1} of each row; hidden (B, T, d): g_i or the draft's own
         previous ``hidden_out``; position_ids (B, T). With ``cache`` the new keys are appended
         and the rows attend to everything cached. ``attention_mask``: additive float
-        (B, 1, T, past + T); None = causal over cache + new rows.
-        Returns (logits (B, T, V_draft), hidden_out (B, T, d)).
+        (B, 1, T, past + T); None = causal over cache + new rows. ``logits_to_keep`` n > 0:
+        logits of the last n rows only (the head is most of a pass's cost on a few rows).
+        Returns (logits (B, T or n, V_draft), hidden_out (B, T, d)).
         """
         emb = self.embed(input_ids)  # (B, T, d)
         hidden = hidden.to(emb.dtype)
@@ -368,7 +370,7 @@ class Eagle3Draft(nn.Module):
             mask = attention_mask.to(q.dtype)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         out = self.midlayer.finish(a, hidden)  # (B, T, d)
-        return self.head(out), out
+        return self.head(out[:, -logits_to_keep:] if logits_to_keep else out), out
 
     def unroll(self, g: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, steps: int,
                pad_id: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

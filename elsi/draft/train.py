@@ -13,6 +13,9 @@ Step by step (Li et al., "EAGLE-3", 2025, with this project's choices from DESIG
 4. AdamW, linear warm-up then cosine decay, gradient-norm clip; stop at ``epochs``,
    ``max_steps`` or ``time_budget``, whichever comes first; checkpoint to resume.
 
+Data parallel: under torchrun the draft is wrapped in DistributedDataParallel and each rank
+takes a share of every step's batch (``train_draft``); the result equals one process's.
+
 Determinism: with a fixed ``max_steps`` (and a time budget that does not bind) two runs with
 the same seed give the same weights. With a binding time budget the cosine schedule follows
 elapsed time, so the step count (and the result) depends on the machine's speed.
@@ -29,8 +32,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from elsi.collect.collector import dist_info
 from elsi.config import opt
 from elsi.draft.features import FeatureStore, split_samples
 from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
@@ -70,6 +75,8 @@ class TrainConfig:
     batch_size: int = opt(1, "conversations per optimizer step (padded to the longest; 1 = no padding, most steps)")
     grad_clip: float = opt(0.5, "gradient-norm clip")
     heldout: float = opt(0.05, "fraction of the conversations held out")
+    loss_on: str = opt("reply", "positions scored in training and held-out figures: 'reply' (predictions of "
+                                "assistant-reply tokens, what decoding drafts) or 'all'", choices=("reply", "all"))
     fc_norm: bool = opt(False, "RMS-normalise each target state before fc (not loadable by vLLM/SGLang)")
     aux_scale: bool = opt(False, "train fc on target states scaled to unit RMS per feature (folded into fc when "
                                 "saved: same EAGLE3 format); off = raw states")
@@ -89,6 +96,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.aux_scale and self.fc_norm:
             raise ValueError("aux_scale and fc_norm both rescale fc's inputs; choose one")
+        if self.loss_on not in ("reply", "all"):
+            raise ValueError(f"loss_on must be 'reply' or 'all', got {self.loss_on!r}")
         if self.head_init not in ("target", "random"):
             raise ValueError(f"head_init must be 'target' or 'random', got {self.head_init!r}")
         if self.freeze_head and self.head_init == "random":
@@ -148,7 +157,8 @@ def make_batch(target: Target, samples: Sequence[dict], vocab_ids: torch.Tensor,
                label_head: LabelHead | None = None) -> Batch:
     """Pad feature samples (see ``FeatureStore.sample``) into a ``Batch`` on ``device``.
 
-    ``score``: optional per-sample bool masks (T_k,) over positions: which positions count.
+    ``score``: optional per-sample bool masks (T_k,) over positions: which positions count
+    (e.g. ``FeatureStore.sample``'s ``reply``).
     ``label_head``: the restricted head for ``vocab_ids`` (built here when None; pass it to
     avoid gathering the V_draft rows of the target's head for every batch).
     """
@@ -220,14 +230,23 @@ def _shift(x: torch.Tensor, j: int, fill) -> torch.Tensor:
     return torch.cat([x[:, j:], pad], dim=1)
 
 
-def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int, decay: float = 0.8):
+def scored_counts(batch: Batch, steps: int) -> torch.Tensor:
+    """Per unroll step j, the positions ``ttt_loss`` averages step j's loss over -> (steps,) int64."""
+    inv = batch.in_vocab & batch.valid  # (B, T)
+    return torch.stack([inv[:, j:].sum() for j in range(steps)])  # (steps,)
+
+
+def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int, decay: float = 0.8,
+             denominators: torch.Tensor | None = None):
     """Weighted soft cross-entropy of the unrolled draft and per-step statistics.
 
     Step j, row i is scored at target position i+1+j (``probs``/``argmax`` shifted by j);
     it counts when that position is valid, and in the loss only when the target's greedy
     token there is in the draft vocabulary.
+    ``denominators`` (steps,): what step j's summed cross-entropy is divided by (default: this
+    batch's own ``scored_counts``; data-parallel training passes the counts of the global batch).
     Returns (loss, stats, outs): stats[j] = {"loss", "correct", "scored", "correct_in_vocab",
-    "in_vocab"}; outs = ``Eagle3Draft.unroll``'s output.
+    "in_vocab"} (counts of this batch); outs = ``Eagle3Draft.unroll``'s output.
     """
     g = draft.fuse(batch.aux)  # (B, T, d)
     outs = draft.unroll(g, batch.input_ids, batch.position_ids, steps)
@@ -244,7 +263,8 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int, decay: float = 0.8):
         logq = F.log_softmax(logits.float(), dim=-1)  # (B, T-j, Vd)
         ce = -(probs * logq).sum(-1)  # (B, T-j)
         n_in = inv.sum()
-        step_loss = (ce * inv).sum() / n_in.clamp(min=1)
+        denom = n_in if denominators is None else denominators[j]
+        step_loss = (ce * inv).sum() / denom.clamp(min=1)
         total = total + decay**j * step_loss
         with torch.no_grad():
             hit = (draft.to_target_ids(logits.argmax(-1)) == want) & valid  # (B, T-j)
@@ -262,8 +282,10 @@ def lr_factor(step: int, progress: float, warmup: int) -> float:
 
 @torch.no_grad()
 def evaluate_store(draft: Eagle3Draft, target: Target, store: FeatureStore, indices: Sequence[int],
-                   vocab_ids: torch.Tensor, steps: int, batch_size: int, device: torch.device) -> dict:
-    """Held-out figures on ``indices``: loss and top-1 match with the target's greedy token per depth."""
+                   vocab_ids: torch.Tensor, steps: int, batch_size: int, device: torch.device,
+                   loss_on: str = "reply") -> dict:
+    """Held-out figures on ``indices``: loss and top-1 match with the target's greedy token per depth,
+    over the positions ``loss_on`` names ('reply' or 'all')."""
     layer_pos = store.layer_index(draft.layer_ids)
     agg = [{"loss_sum": 0.0, "correct": 0, "scored": 0, "correct_in_vocab": 0, "in_vocab": 0} for _ in range(steps)]
     runs = torch.zeros(steps + 1, dtype=torch.long)  # histogram of accepted chain lengths
@@ -271,8 +293,9 @@ def evaluate_store(draft: Eagle3Draft, target: Target, store: FeatureStore, indi
     draft.eval()
     label_head = LabelHead.build(target, vocab_ids, device)
     for a in range(0, len(indices), batch_size):
-        batch = make_batch(target, [store.sample(i, layer_pos) for i in indices[a: a + batch_size]],
-                           vocab_ids, draft.t2d, device, label_head=label_head)
+        samples = [store.sample(i, layer_pos) for i in indices[a: a + batch_size]]
+        batch = make_batch(target, samples, vocab_ids, draft.t2d, device, label_head=label_head,
+                           score=scored(samples, loss_on))
         _, stats, outs = ttt_loss(draft, batch, steps)
         for s, acc in zip(stats, agg):
             acc["loss_sum"] += s["loss"] * s["in_vocab"]
@@ -281,6 +304,11 @@ def evaluate_store(draft: Eagle3Draft, target: Target, store: FeatureStore, indi
         runs += chain_runs(draft, batch, outs)
     draft.train(was)
     return summarize(agg, runs)
+
+
+def scored(samples: Sequence[dict], loss_on: str) -> list[torch.Tensor] | None:
+    """The per-sample position masks of ``loss_on``: reply positions, or None (all positions)."""
+    return [s["reply"] for s in samples] if loss_on == "reply" else None
 
 
 def chain_runs(draft: Eagle3Draft, batch: Batch, outs: list) -> torch.Tensor:
@@ -334,6 +362,24 @@ class Progress:
     lr: float
     heldout_acc: float | None = None
     note: str = ""
+    step_loss: float = math.nan  # weighted TTT loss of this step's (global) batch
+
+
+class _TTTLoss(torch.nn.Module):
+    """``ttt_loss`` as a module's forward, so that DistributedDataParallel can wrap the draft's training step."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int) -> None:
+        super().__init__()
+        self.draft = draft
+        self.steps = steps
+
+    def forward(self, batch: Batch, denominators: torch.Tensor):
+        return ttt_loss(self.draft, batch, self.steps, denominators=denominators)
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
 
 
 def _settings_key(cfg: TrainConfig, feature_settings: dict, samples: int) -> dict:
@@ -343,9 +389,22 @@ def _settings_key(cfg: TrainConfig, feature_settings: dict, samples: int) -> dic
 
 def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int, device: torch.device,
                 samples: int | None = None, on_progress: Callable[[Progress], None] | None = None) -> dict:
-    """Train (or resume) a draft on cached features and write it to ``cfg.out``. Returns training.json's dict."""
+    """Train (or resume) a draft on cached features and write it to ``cfg.out``. Returns training.json's dict.
+
+    Under torch.distributed (torchrun) with W processes the draft is wrapped in
+    DistributedDataParallel: every step's batch of ``cfg.batch_size`` conversations comes from
+    the same seeded order on every rank, rank r takes conversations r, r+W, ... of it, and
+    the loss is normalised by the global count of scored positions, so the gradients, the
+    logged figures and the weights are those of one process with the same batch (up to
+    floating-point summation order). Rank 0's clock decides the time budget, evaluation and
+    checkpoints; rank 0 alone evaluates and writes, the other ranks wait at a barrier.
+    """
     from elsi.draft.features import parse_layers
 
+    rank, world = dist_info()
+    if world > 1 and cfg.batch_size < world:
+        raise ValueError(f"batch_size {cfg.batch_size} is smaller than the world size {world}: every process "
+                         f"needs a share of each step's batch; use a batch size of at least {world}")
     layers = parse_layers(cfg.layers, target.num_layers)
     layer_pos = store.layer_index(layers)
     n = min(len(store), samples or len(store))
@@ -389,6 +448,10 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
         if on_progress:
             on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan,
                                  math.nan, 0.0, note=f"resumed from {ck} at step {state['step']}"))
+    ddp = None
+    if world > 1:  # every rank loaded the same initial (or checkpointed) weights
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            _TTTLoss(draft, cfg.ttt), device_ids=[device] if device.type == "cuda" else None)
 
     budget = parse_duration(cfg.time_budget)
     eval_every = parse_duration(cfg.eval_every)
@@ -422,22 +485,39 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
             perm = order(state["epoch"])
         idx = perm[state["pos"]: state["pos"] + cfg.batch_size]
         state["pos"] += len(idx)
-        batch = make_batch(target, [store.sample(i, layer_pos) for i in idx], vocab_ids, t2d, device,
-                           label_head=label_head)
+        mine = idx[rank::world]  # this process's share of the step's batch (all of it with one process)
+        samples_ = [store.sample(i, layer_pos) for i in mine or idx[:1]]
+        score = scored(samples_, cfg.loss_on)
+        if not mine:  # an epoch's last batch, smaller than W: a fully masked stand-in keeps DDP in step
+            score = [torch.zeros_like(s["ids"], dtype=torch.bool) for s in samples_]
+        batch = make_batch(target, samples_, vocab_ids, t2d, device, label_head=label_head, score=score)
         progress = state["step"] / total_steps if step_based else max(state["step"] / total_steps,
                                                                       state["elapsed"] / budget)
         lr = cfg.lr * lr_factor(state["step"], progress, cfg.warmup_steps)
         for group in opt_.param_groups:
             group["lr"] = lr
-        loss, stats, _ = ttt_loss(draft, batch, cfg.ttt)
+        if ddp is None:
+            loss, stats, _ = ttt_loss(draft, batch, cfg.ttt)
+        else:  # this rank's share of the global loss: per-step sums over the global batch's scored counts
+            counts = scored_counts(batch, cfg.ttt)  # (ttt,)
+            dist.all_reduce(counts)
+            loss, stats, _ = ddp(batch, counts)
         opt_.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * world).backward()  # DDP averages the W ranks' gradients: x W makes them the global batch's
         torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], cfg.grad_clip)
         opt_.step()
         state["step"] += 1
-        state["tokens"] += stats[0]["scored"]
-        state["elapsed"] = time.perf_counter() - t_start
-        recent = (recent + [(float(loss.detach()), stats[0]["correct"], stats[0]["scored"])])[-20:]
+        figures = [float(loss.detach()), stats[0]["correct"], stats[0]["scored"]]
+        if ddp is None:
+            state["elapsed"] = time.perf_counter() - t_start
+        else:  # the global batch's figures, and rank 0's clock for every decision that follows
+            figures.append(time.perf_counter() - t_start if rank == 0 else 0.0)
+            total = torch.tensor(figures, dtype=torch.float64, device=device)
+            dist.all_reduce(total)
+            figures = [total[0].item(), round(total[1].item()), round(total[2].item())]
+            state["elapsed"] = total[3].item()
+        state["tokens"] += figures[2]
+        recent = (recent + [tuple(figures)])[-20:]
         r_loss = sum(r[0] for r in recent) / len(recent)
         r_acc = sum(r[1] for r in recent) / max(1, sum(r[2] for r in recent))
         if state["step"] % 10 == 0 or state["step"] == 1:
@@ -445,22 +525,31 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
                                    "tokens": state["tokens"], "lr": lr, "loss": r_loss, "acc": r_acc})
         held = None
         if state["elapsed"] - last_eval >= eval_every:
-            held = evaluate_store(draft, target, store, probe, vocab_ids, min(cfg.ttt, 3), cfg.batch_size, device)
-            state["heldout_curve"].append({"step": state["step"], "elapsed_s": round(state["elapsed"], 2),
-                                           "match": held["match"], "loss": held["loss"]})
+            if rank == 0:
+                held = evaluate_store(draft, target, store, probe, vocab_ids, min(cfg.ttt, 3), cfg.batch_size,
+                                      device, cfg.loss_on)
+                state["heldout_curve"].append({"step": state["step"], "elapsed_s": round(state["elapsed"], 2),
+                                               "match": held["match"], "loss": held["loss"]})
+            _barrier(world)
             last_eval = state["elapsed"]
             t_start = time.perf_counter() - state["elapsed"]  # evaluation time is not training time
         if state["elapsed"] - last_ck >= ck_every:
-            save_checkpoint()
+            if rank == 0:
+                save_checkpoint()
+            _barrier(world)
             last_ck = state["elapsed"]
         if on_progress:
             on_progress(Progress(state["step"], state["epoch"] + state["pos"] / len(perm), state["elapsed"],
-                                 state["tokens"], r_loss, r_acc, lr, held["match"][0] if held else None))
+                                 state["tokens"], r_loss, r_acc, lr, held["match"][0] if held else None,
+                                 step_loss=figures[0]))
+    if rank != 0:  # rank 0 evaluates and writes; the others return its record
+        _barrier(world)
+        return json.loads((out / TRAINING).read_text())
     save_checkpoint()
 
     # Step 4: held-out figures, then the draft and its record.
     draft.fold_aux_scale()  # the weights that are saved are the ones evaluated
-    final = evaluate_store(draft, target, store, held_idx, vocab_ids, cfg.ttt, cfg.batch_size, device)
+    final = evaluate_store(draft, target, store, held_idx, vocab_ids, cfg.ttt, cfg.batch_size, device, cfg.loss_on)
     draft.save_pretrained(out)
     record = {
         "status": "complete",
@@ -482,4 +571,5 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
         "heldout": final,
     }
     (out / TRAINING).write_text(json.dumps(record, indent=1))
+    _barrier(world)
     return record

@@ -146,15 +146,40 @@ def default_out(run_dirs: list[str | Path]) -> Path:
     return first / (REPORT_DIR if len(run_dirs) == 1 else COMPARE_DIR)
 
 
-def build_report(run_dirs: list[str | Path], out: str | Path | None = None, command: str = "") -> dict[str, Path]:
+def attach_study(runs: list[dict], study: dict) -> None:
+    """Give the selection rows of the study's run the study's τ (pooled over its conditions, mean over seeds).
+
+    The study's run is the one whose directory is the study's ``run`` (or the only run); a row
+    gets τ when a study set has its method, size and layers.
+    """
+    mine = [r for r in runs if Path(r["dir"]).resolve() == Path(study["run"]).resolve()]
+    if not mine and len(runs) == 1:
+        mine = runs
+    pooled = {(s["method"], len(s["layers"]), tuple(s["layers"])): s for s in study["conditions"][-1]["sets"]}
+    for run in mine:
+        for row in run["rows"]:
+            s = pooled.get((row["method"], row["m"], tuple(row["layers"])))
+            if s is not None:
+                row["tau"] = {**s["tau"], "all": s["tau_all"]}
+
+
+def build_report(run_dirs: list[str | Path], out: str | Path | None = None, command: str = "",
+                 study: str | Path | None = None) -> dict[str, Path]:
     """Write the report of one or more runs; return {file name relative to ``out``: path}.
 
-    ``command`` (optional) is shown on the page as the command that made it.
+    ``command`` (optional) is shown on the page as the command that made it. ``study``: a
+    finished study directory (``elsi study``); the page and selection.md gain its tables and
+    the τ-against-entropy figure, and its run's selection rows its τ.
     """
     if not run_dirs:
         raise ValueError("build_report needs at least one run directory")
     out = Path(out) if out else default_out(run_dirs)
     runs = [load_run(d) for d in run_dirs]
+    study_data = None
+    if study:
+        from elsi.study.run import load_study
+
+        study_data = load_study(study)
     several = len(runs) > 1
     written: dict[str, Path] = {}
     for run, label in zip(runs, _labels(runs)):
@@ -171,6 +196,11 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None, comm
             figs["beam_tree"] = figures.beam_tree(run["beam"], sub / "beam_tree.png", model=ana["model"])
         run["figures"] = figs
         written.update({p.relative_to(out).as_posix(): p for p in figs.values()})
+    study_fig = None
+    if study_data is not None:
+        attach_study(runs, study_data)
+        study_fig = figures.study_tau_entropy(study_data, out / "study_tau_entropy.png")
+        written["study_tau_entropy.png"] = study_fig
     compare = None
     if several:
         compare = figures.compare_depth(
@@ -180,13 +210,14 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None, comm
         )
         written["compare_depth.png"] = compare
     md = out / "selection.md"
-    md.write_text(page.selection_markdown(runs))
+    md.write_text(page.selection_markdown(runs, study=study_data))
     written["selection.md"] = md
     html = out / "index.html"
-    html.write_text(page.index_html(runs, out, compare=compare, command=command))
+    html.write_text(page.index_html(runs, out, compare=compare, command=command, study=study_data,
+                                    study_figure=study_fig))
     written["index.html"] = html
     return written
 
 
-__all__ = ["baseline_layers", "beam_result", "build_report", "chosen", "default_out", "load_run", "marks",
-           "selection_rows"]
+__all__ = ["attach_study", "baseline_layers", "beam_result", "build_report", "chosen", "default_out", "load_run",
+           "marks", "selection_rows"]

@@ -32,6 +32,7 @@ SIZES: dict[str, tuple[float, float]] = {
     "transitions": (10.0, 4.2),
     "beam_tree": (10.0, 6.0),
     "compare_depth": (10.0, 7.0),
+    "study_tau_entropy": (12.0, 7.0),
 }
 
 # Okabe-Ito: colour-blind safe qualitative palette.
@@ -44,6 +45,11 @@ MARK_STYLE = {  # label prefix -> (colour, marker)
     "eagle2": (OKABE_ITO["sky"], "s"),
     "eagle3": (OKABE_ITO["green"], "^"),
     "ELSI": (OKABE_ITO["vermillion"], "*"),
+}
+STUDY_STYLE = {  # set method -> (colour, marker) in the study's plot
+    "eagle2": (OKABE_ITO["sky"], "s"), "eagle3": (OKABE_ITO["green"], "^"), "elsi": (OKABE_ITO["vermillion"], "*"),
+    "elsi-c": (OKABE_ITO["orange"], "P"), "exhaustive": (OKABE_ITO["purple"], "D"),
+    "low-entropy": (OKABE_ITO["grey"], "v"), "uniform": (OKABE_ITO["blue"], "o"), "layers": (OKABE_ITO["black"], "X"),
 }
 RUN_COLOURS = [OKABE_ITO[c] for c in ("blue", "vermillion", "green", "purple", "orange", "sky")]
 
@@ -376,7 +382,44 @@ def compare_depth(runs: list[dict], path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def study_tau_entropy(study: dict, path: str | Path) -> Path:
+    """τ against set entropy (a study's ``study.json``): one panel per condition, the pooled one first.
+
+    Each seed's draft is a small point (a line spans their range); the set's mean a large mark, labelled;
+    the panel title gives Spearman's ρ and its bootstrap interval.
+    """
+    conds = [study["conditions"][-1], *study["conditions"][:-1]]
+    cols = min(3, len(conds))
+    fig = _new("study_tau_entropy")
+    axes = fig.subplots(math.ceil(len(conds) / cols), cols, squeeze=False)
+    for ax, cond in zip(axes.flat, conds):
+        for r in cond["sets"]:
+            colour, marker = STUDY_STYLE.get(r["method"], (OKABE_ITO["black"], "o"))
+            seeds = [t for t in r["tau_seeds"] if t is not None]
+            if len(seeds) > 1:
+                ax.vlines(r["entropy"], min(seeds), max(seeds), color=colour, alpha=0.5, lw=1.5)
+            ax.plot([r["entropy"]] * len(seeds), seeds, "o", color=colour, alpha=0.6, ms=4.5, mew=0)
+            if r["tau_all"] is not None:
+                ax.plot([r["entropy"]], [r["tau_all"]], marker, color=colour, ms=13 if marker == "*" else 9,
+                        mec="black", mew=0.6, zorder=3)
+                ax.annotate(r["name"], (r["entropy"], r["tau_all"]), xytext=(5, 4), textcoords="offset points",
+                            fontsize=7.5)
+        sp = cond["spearman"]
+        rho = "–" if sp["rho"] is None else f"{sp['rho']:.2f}"
+        ci = f" [{sp['ci_low']:.2f}, {sp['ci_high']:.2f}]" if sp.get("ci_low") is not None else ""
+        ax.set_title(f"{cond['label']}\nSpearman ρ = {rho}{ci}", fontsize=9.5)
+        ax.set_xlabel("set entropy (nats)")
+        ax.set_ylabel("τ (mean accepted length)")
+        ax.grid(alpha=0.25)
+        ax.margins(x=0.15, y=0.15)
+    for ax in list(axes.flat)[len(conds):]:
+        ax.axis("off")
+    fig.suptitle(f"{Path(study['model']).name}: τ of the trained drafts against the entropy of their layer set\n"
+                 f"small points: one draft per seed {study['seeds']} (line: their range); large marks: the set's mean")
+    return _save(fig, path)
+
+
 __all__ = [
     "DPI", "SIZES", "beam_tree", "chosen_path", "cka", "compare_depth", "entropy_wave", "pair_entropy",
-    "pair_gain", "pixel_size", "transitions",
+    "pair_gain", "pixel_size", "study_tau_entropy", "transitions",
 ]

@@ -206,8 +206,8 @@ def captions(run: dict) -> dict[str, str]:
 # selection.md
 
 
-def selection_markdown(runs: list[dict]) -> str:
-    """The selection table of each run, with its header facts, as markdown."""
+def selection_markdown(runs: list[dict], study: dict | None = None) -> str:
+    """The selection table of each run, with its header facts, as markdown (then the study's, if any)."""
     parts = ["# ELSI layer selection", ""]
     for run in runs:
         header, rows, flags = selection_table(run)
@@ -219,6 +219,10 @@ def selection_markdown(runs: list[dict]) -> str:
             parts += [f"Only the baselines are known; {SELECT_HINT.format(dir=run['dir'])} for ELSI, ELSI-C, "
                       "exhaustive ranks and gaps.", ""]
     parts += [f"{TABLE_NOTE} Layer ids are Hugging Face hidden-state ids (0 = embeddings).", ""]
+    if study is not None:
+        from elsi.study.summary import study_markdown  # the study stage loads torch and transformers
+
+        parts += [study_markdown(study)]
     return "\n".join(parts)
 
 
@@ -285,8 +289,36 @@ SECTIONS = [  # (figure name, title)
 ]
 
 
-def index_html(runs: list[dict], out: Path, compare: Path | None = None, command: str = "") -> str:
-    """The whole report as one self-contained XHTML page (PNG figures embedded as base64)."""
+def study_html(study: dict, figure: Path | None, rel: str) -> str:
+    """The study's section: its verdict, the τ-against-entropy figure and one τ table per condition."""
+    from elsi.study.summary import NOTE, condition_table, spearman_line  # the study stage loads torch and transformers
+
+    parts = [
+        '<h2 id="sec-study">8. The study: trained drafts, τ and set entropy</h2>',
+        f"<p>One EAGLE3 draft per layer set and seed (seeds {_esc(study['seeds'])}) of {_esc(study['model'])}, all "
+        f"trained on the same data with the same budget ({_esc(study['settings']['train']['time_budget'])}) and "
+        f"settings, then benchmarked on Spec-Bench ({_esc(study['questions'])} questions: "
+        f"{_esc(', '.join(study['subtasks']))}).</p>",
+        "<ul>" + "".join(f"<li>{_esc(v)}</li>" for v in study["verdict"]) + "</ul>",
+    ]
+    if figure is not None:
+        parts.append(f'<figure id="study_tau_entropy">{_img(figure, "study_tau_entropy", "tau against set entropy")}'
+                     "<figcaption>τ of each trained draft against the entropy of its layer set; one panel per "
+                     "condition (temperature, tree size), the pooled one first. Small points: one draft per seed; "
+                     f'large marks: the set\'s mean. <span class="file">{_esc(rel)}</span></figcaption></figure>')
+    for cond in study["conditions"]:
+        header, rows = condition_table(cond, study["subtasks"])
+        parts += [f"<h3>τ, {_esc(cond['label'])}</h3>",
+                  _html_table(header, rows, "study", cond["label"], text_cols=(0, 1)),
+                  f"<p>{_esc(spearman_line(cond))}</p>"]
+    parts.append(f'<p class="note">{_esc(NOTE)}</p>')
+    return "\n".join(parts)
+
+
+def index_html(runs: list[dict], out: Path, compare: Path | None = None, command: str = "", study: dict | None = None,
+               study_figure: Path | None = None) -> str:
+    """The whole report as one self-contained XHTML page (PNG figures embedded as base64); with ``study``
+    (a study.json dict) a section with its tables and ``study_figure``."""
     out = Path(out)
     cols = len(runs)
     grid = lambda items: f'<div class="grid" style="--cols: {cols}">{"".join(items)}</div>'  # noqa: E731
@@ -316,7 +348,8 @@ def index_html(runs: list[dict], out: Path, compare: Path | None = None, command
             f'layers, triangles its boundaries. <span class="file">{_esc(rel(compare))}</span></figcaption></figure>',
         ]
     toc = ([("compare", "0. Side by side")] if compare is not None else []) + [(n, t) for n, t in SECTIONS] + [
-        ("selection", "6. Layer sets"), ("layers", "7. Per-layer numbers")]
+        ("selection", "6. Layer sets"), ("layers", "7. Per-layer numbers")] + (
+        [("study", "8. Study: τ and entropy")] if study is not None else [])
     parts.insert(5, "<nav>" + "".join(f'<a href="#sec-{n}">{_esc(t)}</a>' for n, t in toc) + "</nav>")
     for name, title in SECTIONS:
         parts.append(f'<h2 id="sec-{name}">{_esc(title)}</h2>')
@@ -341,7 +374,10 @@ def index_html(runs: list[dict], out: Path, compare: Path | None = None, command
         f'<section><details open="open"><summary>{_esc(r["analysis"]["model"])}: {r["analysis"]["num_layers"] + 1} '
         f"ids</summary>{_html_table(*layer_table(r['analysis']), 'layers', r['label'])}</details></section>"
         for r in runs))
-    files = sorted({rel(p) for r in runs for p in r["figures"].values()} | ({rel(compare)} if compare else set()))
+    if study is not None:
+        parts.append(study_html(study, study_figure, rel(study_figure) if study_figure else ""))
+    files = sorted({rel(p) for r in runs for p in r["figures"].values()} | ({rel(compare)} if compare else set())
+                   | ({rel(study_figure)} if study_figure else set()))
     parts.append("<h2>How this page was made</h2><p>"
                  + (f"Command: <code>{_esc(command)}</code>. " if command else "")
                  + "Figures (also written next to this page): "
@@ -352,4 +388,4 @@ def index_html(runs: list[dict], out: Path, compare: Path | None = None, command
 
 
 __all__ = ["captions", "fmt", "index_html", "layer_table", "run_facts", "selection_markdown", "selection_table",
-           "summary"]
+           "study_html", "summary"]

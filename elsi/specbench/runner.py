@@ -21,18 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from elsi.config import opt
+from elsi.config import like, opt
 from elsi.data.conversations import Sample, render
 from elsi.data.spec_bench import SUBTASKS, Question, load_questions
 from elsi.decode.engine import DecodeConfig, Drafter, TargetRunner, generate, stop_tokens
 from elsi.decode.tree import TreeConfig
 from elsi.models import DEFAULT_MODEL
-
-
-def _like(cls: type, name: str, default=dataclasses.MISSING, help_suffix: str = ""):
-    """A field declared like ``cls.name`` (same help and default, written once there)."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return opt(f.default if default is dataclasses.MISSING else default, f.metadata["help"] + help_suffix)
 
 
 @dataclass(frozen=True)
@@ -44,13 +38,15 @@ class BenchConfig:
                          "'target' (the target itself: a perfect drafter); empty = no speculative runs")
     subtasks: list[str] = opt(["all"], f"Spec-Bench subtasks ({', '.join(SUBTASKS)}) or all")
     questions_per_subtask: int = opt(80, "questions per subtask (file order)")
-    max_new_tokens: int = _like(DecodeConfig, "max_new_tokens", help_suffix=" (per turn)")
+    max_new_tokens: int = like(DecodeConfig, "max_new_tokens", help_suffix=" (per turn)")
     temperature: list[float] = opt([0.0], "temperatures to run (0 = greedy)")
-    top_p: float = _like(DecodeConfig, "top_p")
+    top_p: float = like(DecodeConfig, "top_p")
     tree_nodes: list[int] = opt([60], "tree sizes to run (drafted tokens per step)")
-    depth: int = _like(TreeConfig, "depth")
-    top_k: int = _like(TreeConfig, "top_k")
+    depth: int = like(TreeConfig, "depth")
+    top_k: int = like(TreeConfig, "top_k")
     hf_generate: bool = opt(True, "also time transformers generate (the reference baseline)")
+    plain: bool = opt(True, "also time this engine's plain decoding (the speed-ups' baseline); off when the "
+                            "plain answers are timed once elsewhere (elsi study)")
     warmup: int = opt(1, "untimed warm-up answers per method before the timed ones")
     seed: int = opt(0, "seed of the sampling generators")
     out: str = opt("", "write the results JSON here")
@@ -62,6 +58,8 @@ class BenchConfig:
             TreeConfig(n, self.depth, self.top_k)  # validates
         for t in self.temperature:
             DecodeConfig(self.max_new_tokens, t, self.top_p)
+        if not (self.hf_generate or self.plain or self.draft):
+            raise ValueError("nothing to run: no --draft, and both --no-hf-generate and --no-plain")
 
 
 def encode_chat(tokenizer, turns: list[tuple[str, str]], raw: bool = False) -> list[int]:
@@ -155,7 +153,13 @@ def machine_info() -> dict:
 
 def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
               on_answer: Callable[[Answer, int, int], None] | None = None) -> dict:
-    """Every method on every question at every temperature -> the results dict (see ``summarize``)."""
+    """Every method on every question at every temperature -> the results dict (see ``summarize``).
+
+    Methods: transformers ``generate`` (``cfg.hf_generate``), plain decoding (``cfg.plain``) and,
+    with a drafter, speculative decoding at each tree size.
+    """
+    if drafter is None and not (cfg.hf_generate or cfg.plain):
+        raise ValueError("run_bench: no drafter and neither hf_generate nor plain: nothing to run")
     questions = load_questions(cfg.subtasks, cfg.questions_per_subtask)
     runner = TargetRunner.from_target(target)
     eos = stop_tokens(target.model, target.tokenizer)
@@ -168,7 +172,8 @@ def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
         methods: list[tuple[str, int | None, Method]] = []
         if cfg.hf_generate:
             methods.append(("hf_generate", None, hf_method(target.model, dcfg, eos, pad)))
-        methods.append(("plain", None, engine_method(runner, dcfg, eos)))
+        if cfg.plain:
+            methods.append(("plain", None, engine_method(runner, dcfg, eos)))
         if drafter is not None:
             for n in cfg.tree_nodes:
                 tree = TreeConfig(n, cfg.depth, cfg.top_k)

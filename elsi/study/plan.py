@@ -1,0 +1,247 @@
+"""A study's plan: the layer sets it compares, selected on a finished analysis, and its settings.
+
+Set specs (``--sets``):
+- ``eagle2``, ``eagle3``: the fixed baselines ([N] and [2, N//2, N-3]);
+- ``METHOD:M``: ``elsi.select`` method METHOD (elsi, elsi-c, exhaustive, low-entropy, uniform)
+  at size M, e.g. ``elsi:3``;
+- ``layers:IDS``: an explicit set, e.g. ``layers:5,18,27`` (DESIGN.md numbering).
+
+Every set's entropy is the score ``elsi select`` reports for it (same scorer and aggregate).
+``plan.json`` records the sets and every setting that shapes a draft or a benchmark; a rerun
+with other settings is an error naming the difference.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from elsi.collect.store import read_json, write_json
+from elsi.config import like, opt
+from elsi.data.spec_bench import SUBTASKS
+from elsi.draft.features import FeatureConfig
+from elsi.draft.train import TrainConfig, parse_duration
+from elsi.select.run import SelectConfig, Selector
+from elsi.select.search import METHODS
+from elsi.specbench.runner import BenchConfig
+from elsi.stats.analysis import parse_layers
+
+PLAN = "plan.json"
+FORMAT = 1
+DEFAULT_SETS = ["eagle2", "eagle3", "elsi:1", "elsi:2", "elsi:3", "elsi-c:3", "low-entropy:3"]
+FIXED_M = {"eagle2": 1, "eagle3": 3}  # baselines whose size is part of their definition
+SET_HELP = ("eagle2, eagle3, METHOD:M with METHOD one of " + ", ".join(m for m in METHODS if m not in FIXED_M)
+            + " (e.g. elsi:3), or layers:IDS (e.g. layers:5,18,27)")
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """Which layer sets a study compares, and how each draft is trained and benchmarked."""
+
+    out: str = opt(help="study directory: plan.json, features/, drafts/, bench/, study.json, study.md, report/")
+    run: str = opt("", "run directory of a finished `elsi analyze` the sets are selected on (default: runs/<model>)")
+    sets: list[str] = opt(DEFAULT_SETS, f"layer sets to compare: {SET_HELP}")
+    seeds: list[int] = opt([0], "draft seeds (initialisation, held-out split, batch order): one draft per set and "
+                                "seed, all on the same data (--seed chooses the data)")
+    train_budget: str = like(TrainConfig, "time_budget", help_suffix=", per draft")
+    subtasks: list[str] = like(BenchConfig, "subtasks")
+    questions_per_subtask: int = like(BenchConfig, "questions_per_subtask", default=10)
+    max_new_tokens: int = like(BenchConfig, "max_new_tokens", default=128)
+    temperature: list[float] = like(BenchConfig, "temperature", default=[0.0, 1.0])
+    top_p: float = like(BenchConfig, "top_p")
+    tree_nodes: list[int] = like(BenchConfig, "tree_nodes", default=[30, 60])
+    depth: int = like(BenchConfig, "depth")
+    top_k: int = like(BenchConfig, "top_k")
+    warmup: int = like(BenchConfig, "warmup")
+    bench_seed: int = like(BenchConfig, "seed", help_suffix=" (the same for every draft: paired comparisons)")
+    bootstrap: int = opt(1000, "bootstrap resamples of the Spec-Bench questions for the intervals (0 = none)")
+    restart: bool = opt(False, "delete this study's plan, drafts, benchmarks and results and start over")
+
+    def __post_init__(self) -> None:
+        if not self.sets:
+            raise ValueError("--sets is empty: give at least one layer set")
+        if not self.seeds:
+            raise ValueError("--seeds is empty: give at least one seed")
+        dup = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
+        if dup:
+            raise ValueError(f"--seeds repeats {dup}")
+        if self.bootstrap < 0:
+            raise ValueError(f"bootstrap must be >= 0, got {self.bootstrap}")
+        parse_duration(self.train_budget)
+        bad = [s for s in self.subtasks if s != "all" and s not in SUBTASKS]
+        if bad:
+            raise ValueError(f"unknown Spec-Bench subtask(s) {bad}; known: {', '.join(SUBTASKS)} or all")
+        self.bench_config("", baseline=True)  # validates the benchmark settings
+
+    def bench_config(self, model: str, draft: str = "", baseline: bool = False) -> BenchConfig:
+        """The benchmark of one draft (speculative decoding only) or, ``baseline``, of plain decoding
+        and transformers generate (timed once per study)."""
+        return BenchConfig(model=model, draft="" if baseline else draft, subtasks=list(self.subtasks),
+                           questions_per_subtask=self.questions_per_subtask, max_new_tokens=self.max_new_tokens,
+                           temperature=list(self.temperature), top_p=self.top_p, tree_nodes=list(self.tree_nodes),
+                           depth=self.depth, top_k=self.top_k, hf_generate=baseline, plain=baseline,
+                           warmup=self.warmup, seed=self.bench_seed)
+
+
+@dataclass(frozen=True)
+class LayerSet:
+    """One compared set: its spec, how it was chosen, its layers and its entropy."""
+
+    name: str  # the spec, normalised: "eagle3", "elsi:3", "layers:5,18,27"
+    method: str  # selection method, or "layers" for an explicit set
+    m: int  # number of layers
+    layers: tuple[int, ...]  # sorted hidden-state ids
+    entropy: float  # nats, the score `elsi select` reports
+    entropy_normalized: float  # entropy / log(block)
+
+    @property
+    def slug(self) -> str:
+        """File-safe name: ``elsi:3`` -> ``elsi-3``, ``layers:5,18,27`` -> ``layers-5-18-27``."""
+        return set_slug(self.name)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "layers": list(self.layers), "slug": self.slug}
+
+
+def set_slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+
+
+def parse_set(spec: str, num_layers: int) -> tuple[str, str, int | tuple[int, ...]]:
+    """A ``--sets`` entry -> (normalised name, method, m or explicit layers). Raises ValueError naming it."""
+    text = spec.strip().lower()
+    method, sep, arg = text.partition(":")
+    if method == "layers":
+        try:
+            layers = tuple(sorted(parse_layers(arg, num_layers)))
+        except ValueError as err:
+            raise ValueError(f"--sets {spec!r}: {err}") from None
+        return f"layers:{','.join(map(str, layers))}", "layers", layers
+    if method not in METHODS:
+        raise ValueError(f"--sets {spec!r}: unknown set; use {SET_HELP}")
+    if method in FIXED_M:
+        if sep and arg != str(FIXED_M[method]):
+            raise ValueError(f"--sets {spec!r}: {method} has {FIXED_M[method]} layer(s) by definition; write {method}")
+        return method, method, FIXED_M[method]
+    if not sep or not re.fullmatch(r"\d+", arg):
+        raise ValueError(f"--sets {spec!r}: {method} needs a size, e.g. {method}:3")
+    return f"{method}:{int(arg)}", method, int(arg)
+
+
+def resolve_sets(specs: list[str], selector: Selector) -> list[LayerSet]:
+    """Parse every spec and select (or score) its layers on the selector's run."""
+    n = selector.run.num_layers
+    out: list[LayerSet] = []
+    for spec in specs:
+        name, method, arg = parse_set(spec, n)
+        try:
+            if method == "layers":
+                layers = selector.run.check(arg)
+                entropy = set_entropy(selector, layers)
+            else:
+                sel = selector.select(method, arg)
+                layers, entropy = tuple(sel.layers), sel.entropy
+        except ValueError as err:
+            raise ValueError(f"--sets {spec!r}: {err}") from None
+        out.append(LayerSet(name, method, len(layers), tuple(sorted(layers)), float(entropy),
+                            float(entropy) / math.log(selector.run.block)))
+    names = [s.name for s in out]
+    slugs = [s.slug for s in out]
+    dup = sorted({x for x in names if names.count(x) > 1} | {x for x in slugs if slugs.count(x) > 1})
+    if dup:
+        raise ValueError(f"--sets names {dup} more than once")
+    return out
+
+
+def set_entropy(selector: Selector, layers: tuple[int, ...]) -> float:
+    """The entropy ``Selector.select`` reports for a set (same aggregate)."""
+    if selector.cfg.aggregate == "mean-block":
+        return selector.scorer.score([tuple(sorted(layers))])[0]
+    return selector.run.entropy(layers).mean
+
+
+def plan_settings(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, selector: Selector) -> dict:
+    """Every setting that shapes a draft or a benchmark (what a rerun must match)."""
+    features = {k: v for k, v in asdict(fcfg).items() if k not in ("cache_layers", "features_dir", "forward_batch")}
+    train = {k: v for k, v in asdict(tcfg).items()
+             if k not in ("layers", "out", "restart", "time_budget", "eval_every", "checkpoint_every")}
+    bench = {k: v for k, v in asdict(cfg.bench_config(fcfg.model, baseline=True)).items()
+             if k not in ("model", "draft", "out", "hf_generate", "plain")}
+    return {"run": str(selector.cfg.run), "features": features, "train": {**train, "time_budget": cfg.train_budget},
+            "bench": bench, "select": selector.settings()}
+
+
+def make_plan(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, run_dir: str | Path) -> dict:
+    """Select every set on the finished analysis in ``run_dir`` -> the plan (plan.json's dict)."""
+    selector = Selector(SelectConfig(run=str(Path(run_dir).resolve())))  # a clear error if the run is not finished
+    sets = resolve_sets(cfg.sets, selector)
+    man = Path(run_dir) / "manifest.json"
+    return {
+        "format": FORMAT,
+        "model": fcfg.model,
+        "run_model": read_json(man).get("model") if man.is_file() else None,
+        "num_layers": selector.run.num_layers,
+        "block": selector.run.block,
+        "sets": [s.to_json() for s in sets],
+        "seeds": list(cfg.seeds),
+        "cache_layers": sorted({l for s in sets for l in s.layers}),
+        "settings": plan_settings(cfg, fcfg, tcfg, selector),
+    }
+
+
+def layer_sets(plan: dict) -> list[LayerSet]:
+    return [LayerSet(s["name"], s["method"], s["m"], tuple(s["layers"]), s["entropy"], s["entropy_normalized"])
+            for s in plan["sets"]]
+
+
+def _diff(old, new, path: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            p = f"{path}.{k}" if path else str(k)
+            if k not in old:
+                out.append(f"{p}: absent in plan.json, {new[k]!r} now")
+            elif k not in new:
+                out.append(f"{p}: {old[k]!r} in plan.json, absent now")
+            else:
+                out.extend(_diff(old[k], new[k], p))
+        return out
+    return [] if old == new else [f"{path}: {old!r} in plan.json, {new!r} now"]
+
+
+def plan_differences(old: dict, new: dict) -> list[str]:
+    """What a rerun changed that its finished drafts and benchmarks depend on (empty: it may continue).
+
+    Sets and seeds may be added or dropped; a set that keeps its name must keep its layers.
+    """
+    diffs = _diff(old.get("settings", {}), new["settings"])
+    if old.get("model") != new["model"]:
+        diffs.append(f"model: {old.get('model')!r} in plan.json, {new['model']!r} now")
+    before = {s["name"]: s["layers"] for s in old.get("sets", [])}
+    for s in new["sets"]:
+        if s["name"] in before and before[s["name"]] != s["layers"]:
+            diffs.append(f"set {s['name']}: layers {before[s['name']]} in plan.json, {s['layers']} now "
+                         "(the analysis changed)")
+    return diffs
+
+
+def write_plan(study_dir: str | Path, plan: dict, restart: bool = False) -> Path:
+    """Check ``plan`` against STUDY_DIR/plan.json (unless ``restart``) and write it.
+
+    Raises ValueError listing every difference that would make the finished work invalid.
+    """
+    path = Path(study_dir) / PLAN
+    if path.is_file() and not restart:
+        diffs = plan_differences(read_json(path), plan)
+        if diffs:
+            raise ValueError(f"{path} was made with other settings: " + "; ".join(diffs)
+                             + ". Pass --restart to start over, or choose another --out")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, plan)
+    return path
+
+
+__all__ = ["DEFAULT_SETS", "PLAN", "LayerSet", "StudyConfig", "layer_sets", "make_plan", "parse_set",
+           "plan_differences", "resolve_sets", "set_slug", "write_plan"]

@@ -1,0 +1,185 @@
+"""``elsi study``: train one draft per layer set and seed on the same data, benchmark each, summarise.
+
+Step by step (STUDY_DIR layout in docs/INTERFACES.md):
+1. Target features, once, for the union of every set's layers (``elsi.draft.features``).
+2. The baseline: plain decoding and transformers ``generate`` on the study's questions, once
+   (``bench/baseline.json``).
+3. Per set and seed: train the draft (``drafts/<set>-s<seed>/``), then benchmark it with
+   speculative decoding only (``bench/<set>-s<seed>.json``).
+4. ``study.json`` and ``study.md`` (``elsi.study.summary``).
+
+Resumable: a draft whose ``training.json`` says complete and a benchmark file that exists are
+reused; an interrupted draft resumes from its checkpoint; an interrupted benchmark starts over.
+Every file is written whole (temporary file, then rename).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from elsi.collect.store import write_json
+from elsi.data.conversations import Dataset
+from elsi.decode.drafters import load_drafter
+from elsi.draft.features import FeatureConfig, build_features
+from elsi.draft.features import Progress as FeatureProgress
+from elsi.draft.train import TRAINING, TrainConfig, train_draft
+from elsi.draft.train import Progress as TrainProgress
+from elsi.models.load import Target
+from elsi.specbench.runner import Answer, machine_info, run_bench
+from elsi.study.plan import PLAN, LayerSet, StudyConfig, layer_sets, write_plan
+from elsi.study.summary import study_markdown, summarize_study
+
+DRAFTS = "drafts"
+BENCH = "bench"
+BASELINE = "baseline.json"
+STUDY_JSON = "study.json"
+STUDY_MD = "study.md"
+FEATURES = "features"
+
+
+@dataclass
+class Hooks:
+    """Callbacks for progress (the CLI draws bars with them); every one is optional."""
+
+    step: Callable[[int, int, str], None] | None = None  # (step i, of n, what it does)
+    features: Callable[[FeatureProgress], None] | None = None
+    train: Callable[[TrainProgress], None] | None = None
+    bench: Callable[[Answer, int, int], None] | None = None  # (last answer, questions done, total)
+
+
+def draft_dir(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
+    return Path(study_dir) / DRAFTS / f"{s.slug}-s{seed}"
+
+
+def bench_path(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
+    return Path(study_dir) / BENCH / f"{s.slug}-s{seed}.json"
+
+
+def draft_complete(path: Path) -> bool:
+    rec = path / TRAINING
+    return rec.is_file() and json.loads(rec.read_text()).get("status") == "complete"
+
+
+def clear_study(study_dir: str | Path) -> None:
+    """Remove what a study wrote (plan, drafts, benchmarks, results, report); the feature cache stays."""
+    d = Path(study_dir)
+    for name in (DRAFTS, BENCH, "report"):
+        if (d / name).is_dir():
+            shutil.rmtree(d / name)
+    for name in (PLAN, STUDY_JSON, STUDY_MD):
+        (d / name).unlink(missing_ok=True)
+
+
+def prepare_study(study_dir: str | Path, plan: dict, restart: bool = False) -> Path:
+    """Start (``restart``: start over) or continue the study in ``study_dir``; writes plan.json.
+
+    Raises ValueError naming every setting that differs from the existing plan.json.
+    """
+    if restart:
+        clear_study(study_dir)
+    return write_plan(study_dir, plan)
+
+
+def feature_config(fcfg: FeatureConfig, plan: dict, study_dir: str | Path) -> FeatureConfig:
+    """The feature cache of the study: every set's layers, in STUDY_DIR/features unless --features-dir."""
+    return replace(fcfg, cache_layers=",".join(map(str, plan["cache_layers"])),
+                   features_dir=fcfg.features_dir or str(Path(study_dir) / FEATURES))
+
+
+def _bench_record(res: dict, **extra) -> dict:
+    from elsi.collect.collector import package_versions
+
+    return {**extra, "versions": package_versions(), "machine": machine_info(), **res}
+
+
+def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fcfg: FeatureConfig,
+              tcfg: TrainConfig, device: torch.device, hooks: Hooks | None = None, command: str = "") -> dict:
+    """Run (or continue) the study planned in ``plan`` (see ``prepare_study``) -> study.json's dict.
+
+    ``tcfg`` is the training template: every set's draft uses it with its own layers and out
+    directory and ``cfg.train_budget``. ``target`` must be the plan's model. ``command``: recorded in
+    study.json and study.md.
+    """
+    hooks = hooks or Hooks()
+    say = hooks.step or (lambda i, n, text: None)
+    study_dir = Path(cfg.out)
+    if target.num_layers != plan["num_layers"]:
+        raise ValueError(f"the target has N = {target.num_layers} layers, the analysis in {plan['settings']['run']} "
+                         f"N = {plan['num_layers']}: analyze this model first (--run)")
+    sets, seeds = layer_sets(plan), plan["seeds"]
+    n = 3 + 2 * len(sets) * len(seeds)
+    (study_dir / BENCH).mkdir(parents=True, exist_ok=True)
+
+    # Step 1: the target's features for every set's layers, once.
+    fc = feature_config(fcfg, plan, study_dir)
+    say(1, n, f"target features for layers {plan['cache_layers']} in {fc.features_dir}")
+    store = build_features(target, dataset, fc, plan["cache_layers"], on_progress=hooks.features)
+
+    # Step 2: the baseline (plain decoding and transformers generate), once.
+    base_path = study_dir / BENCH / BASELINE
+    if base_path.is_file():
+        say(2, n, f"baseline: plain decoding and transformers generate (done: {base_path})")
+    else:
+        say(2, n, "baseline: plain decoding and transformers generate")
+        res = run_bench(target, None, cfg.bench_config(fcfg.model, baseline=True), on_answer=hooks.bench)
+        write_json(base_path, _bench_record(res, set=None, seed=None, draft=None))
+
+    # Step 3: one draft per set and seed, then its benchmark.
+    i = 2
+    benches: dict[tuple[str, int], dict] = {}
+    for s in sets:
+        for seed in seeds:
+            out = draft_dir(study_dir, s, seed)
+            i += 1
+            what = f"{s.name} {list(s.layers)} seed {seed}"
+            if draft_complete(out):
+                say(i, n, f"training {what} (done: {out})")
+            else:
+                say(i, n, f"training {what}")
+                t = replace(tcfg, layers=",".join(map(str, s.layers)), out=str(out), time_budget=cfg.train_budget,
+                            restart=False)
+                train_draft(target, store, t, seed, device, samples=fcfg.samples, on_progress=hooks.train)
+            path = bench_path(study_dir, s, seed)
+            i += 1
+            if path.is_file():
+                say(i, n, f"benchmarking {what} (done: {path})")
+            else:
+                say(i, n, f"benchmarking {what}")
+                drafter, info = load_drafter(str(out), target)
+                res = run_bench(target, drafter, cfg.bench_config(fcfg.model, draft=str(out)), on_answer=hooks.bench)
+                write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
+            benches[(s.name, seed)] = json.loads(path.read_text())
+
+    # Step 4: the summary.
+    say(n, n, f"summary: {STUDY_JSON}, {STUDY_MD}")
+    return write_summary(study_dir, plan, benches, json.loads(base_path.read_text()), cfg.bootstrap, command)
+
+
+def write_summary(study_dir: str | Path, plan: dict, benches: dict, baseline: dict, bootstrap: int,
+                  command: str = "") -> dict:
+    """study.json and study.md from the plan and the benchmarks."""
+    study = {"command": command, **summarize_study(plan, benches, baseline, bootstrap)}
+    write_json(Path(study_dir) / STUDY_JSON, study)
+    md = Path(study_dir) / STUDY_MD
+    tmp = md.with_name(md.name + ".tmp")
+    tmp.write_text(study_markdown(study))
+    tmp.replace(md)
+    return study
+
+
+def load_study(study_dir: str | Path) -> dict:
+    """A finished study's study.json; FileNotFoundError naming the directory otherwise."""
+    path = Path(study_dir) / STUDY_JSON
+    if not path.is_file():
+        raise FileNotFoundError(f"{study_dir} has no {STUDY_JSON}: run `elsi study --out {study_dir}` first")
+    return json.loads(path.read_text())
+
+
+__all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "bench_path", "clear_study", "draft_dir",
+           "draft_complete", "feature_config", "load_study", "prepare_study", "run_study", "write_summary"]

@@ -1,0 +1,364 @@
+"""A study's results: τ per set, subtask and condition, noise, rank correlation with entropy, study.md.
+
+Definitions (DESIGN.md, "Speculative decoding"):
+- τ of a draft on a group of answers = accepted tokens / target steps, pooled over all the
+  group's steps (Spec-Bench's rule); "all" pools every subtask.
+- A set's τ = the mean over its seeds' drafts; the seed-to-seed spread is their min-max range.
+- Δ% vs eagle3 (eagle2) = 100 (τ_set / τ_eagle3 - 1), on τ all.
+- Speed-up vs plain of an answer = its tokens/s over the tokens/s of the study's plain answer
+  to the same question at the same temperature (``bench/baseline.json``); mean over answers.
+- Spearman's ρ between set entropy and τ all, across sets (average ranks for ties).
+- Bootstrap: the Spec-Bench questions are resampled with replacement (``bootstrap`` times,
+  fixed seed; the same resamples for every set, seed and condition); each resample gives every
+  set's pooled τ (mean over seeds), hence ρ and each gap; intervals = 2.5 and 97.5 percentiles.
+
+Conditions: every (temperature, tree size) of the study, and "all" pooling them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+REFERENCES = ("eagle3", "eagle2")  # the defaults a study compares against
+SELECTED = ("elsi", "elsi-c", "exhaustive")  # methods whose sets the entropy criterion chose
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank correlation
+
+
+def rankdata(x: Sequence[float]) -> np.ndarray:
+    """Ranks 1..n of ``x`` (n,); tied values get the average of the ranks they span."""
+    x = np.asarray(x, dtype=np.float64)
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x), dtype=np.float64)
+    sx = x[order]
+    i = 0
+    while i < len(x):
+        j = i
+        while j + 1 < len(x) and sx[j + 1] == sx[i]:
+            j += 1
+        ranks[order[i: j + 1]] = (i + j) / 2 + 1  # positions i..j hold ranks i+1..j+1
+        i = j + 1
+    return ranks
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's ρ: Pearson's correlation of the average ranks. NaN when x or y is constant."""
+    if len(x) != len(y):
+        raise ValueError(f"spearman needs two sequences of one length, got {len(x)} and {len(y)}")
+    rx, ry = rankdata(x), rankdata(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
+    return float((rx * ry).sum() / den) if den > 0 else math.nan
+
+
+def resample_weights(num_questions: int, resamples: int, seed: int = 0) -> np.ndarray:
+    """How often each question is drawn in each bootstrap resample -> (resamples, num_questions) float64."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, num_questions, size=(resamples, num_questions))  # (R, Q)
+    w = np.zeros((resamples, num_questions))
+    np.add.at(w, (np.arange(resamples)[:, None], idx), 1.0)  # (R, Q) counts
+    return w
+
+
+def interval(values: np.ndarray) -> tuple[float | None, float | None]:
+    """2.5 and 97.5 percentiles of the finite values; (None, None) when there are none."""
+    v = values[np.isfinite(values)]
+    if v.size == 0:
+        return None, None
+    lo, hi = np.percentile(v, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def _clean(x):
+    """JSON-safe number: NaN -> None."""
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
+
+
+def _tps(a: dict) -> float:
+    return a["new_tokens"] / a["time_s"] if a["time_s"] > 0 else 0.0
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def condition_label(temperature: float | None, tree_nodes: int | None) -> str:
+    if temperature is None:
+        return "all conditions pooled"
+    return f"T = {temperature:g}, {tree_nodes} nodes"
+
+
+def _in_condition(a: dict, temperature, tree_nodes) -> bool:
+    return a["method"] == "spec" and (temperature is None or (a["temperature"] == temperature
+                                                              and a["tree_nodes"] == tree_nodes))
+
+
+def draft_stats(answers: list[dict], qids: list[int], subtask_of: dict[int, str], temperature, tree_nodes,
+                plain: dict, hf: dict) -> dict:
+    """One draft's figures in one condition: accepted and steps per question (Q,), τ per subtask and
+    all, tokens/s and speed-ups."""
+    group = [a for a in answers if _in_condition(a, temperature, tree_nodes)]
+    pos = {q: i for i, q in enumerate(qids)}
+    acc = np.zeros(len(qids))
+    steps = np.zeros(len(qids))
+    for a in group:
+        if a["question_id"] not in pos:
+            raise ValueError(f"question {a['question_id']} answered by a draft but not by the baseline: "
+                             "the benchmarks of this study disagree; rerun with --restart")
+        acc[pos[a["question_id"]]] += a["accepted"]
+        steps[pos[a["question_id"]]] += a["steps"]
+    tau = {}
+    for sub in dict.fromkeys(subtask_of[q] for q in qids):
+        mask = np.array([subtask_of[q] == sub for q in qids])
+        s = steps[mask].sum()
+        tau[sub] = float(acc[mask].sum() / s) if s else None
+    key = lambda a: (a["question_id"], a["temperature"])  # noqa: E731
+    return {
+        "accepted": acc, "steps": steps, "tau": tau,
+        "tau_all": float(acc.sum() / steps.sum()) if steps.sum() else None,
+        "tokens_per_s": _mean([_tps(a) for a in group]),
+        "speedup_vs_plain": _mean([_tps(a) / _tps(plain[key(a)]) for a in group
+                                   if key(a) in plain and _tps(plain[key(a)]) > 0]),
+        "speedup_vs_hf": _mean([_tps(a) / _tps(hf[key(a)]) for a in group if key(a) in hf and _tps(hf[key(a)]) > 0]),
+    }
+
+
+def _pooled_tau(w: np.ndarray, acc: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """Pooled τ of every resample: w (R, Q) counts, acc and steps (Q,) -> (R,)."""
+    s = w @ steps  # (R,)
+    return np.where(s > 0, (w @ acc) / np.where(s > 0, s, 1.0), np.nan)
+
+
+def summarize_condition(sets: list[dict], seeds: list[int], stats: dict[tuple[str, int], dict],
+                        weights: np.ndarray | None, temperature, tree_nodes) -> dict:
+    """Rows (one per set), Spearman's ρ between entropy and τ all, and the selected sets' gaps."""
+    rows, boot = [], {}
+    for s in sets:
+        per = [stats[(s["name"], seed)] for seed in seeds]
+        taus = [p["tau_all"] for p in per if p["tau_all"] is not None]
+        subs = list(per[0]["tau"])
+        row = {
+            "name": s["name"], "method": s["method"], "layers": s["layers"], "entropy": s["entropy"],
+            "tau": {k: _mean([p["tau"][k] for p in per if p["tau"][k] is not None]) for k in subs},
+            "tau_all": _mean(taus), "tau_seeds": [p["tau_all"] for p in per],
+            "tau_min": min(taus) if taus else None, "tau_max": max(taus) if taus else None,
+            "tau_std": float(np.std(taus, ddof=1)) if len(taus) > 1 else None,
+            "tokens_per_s": _mean([p["tokens_per_s"] for p in per if p["tokens_per_s"] is not None]),
+            "speedup_vs_plain": _mean([p["speedup_vs_plain"] for p in per if p["speedup_vs_plain"] is not None]),
+            "speedup_vs_hf": _mean([p["speedup_vs_hf"] for p in per if p["speedup_vs_hf"] is not None]),
+        }
+        rows.append(row)
+        if weights is not None:
+            boot[s["name"]] = np.mean([_pooled_tau(weights, p["accepted"], p["steps"]) for p in per], axis=0)  # (R,)
+    by = {r["name"]: r for r in rows}
+    for r in rows:
+        r["delta_pct"] = {ref: (100.0 * (r["tau_all"] / by[ref]["tau_all"] - 1.0)
+                                if r["tau_all"] is not None and by[ref]["tau_all"] else None)
+                          for ref in REFERENCES if ref in by}
+    # Spearman between set entropy and τ, on the means and on every resample.
+    known = [r for r in rows if r["tau_all"] is not None]
+    rho = spearman([r["entropy"] for r in known], [r["tau_all"] for r in known]) if len(known) >= 2 else math.nan
+    lo = hi = None
+    if weights is not None and len(known) >= 2:
+        ent = [r["entropy"] for r in known]
+        mat = np.stack([boot[r["name"]] for r in known], axis=1)  # (R, sets)
+        rhos = np.array([spearman(ent, row) if np.isfinite(row).all() else math.nan for row in mat])  # (R,)
+        lo, hi = interval(rhos)
+    spear = {"rho": _clean(rho), "ci_low": lo, "ci_high": hi, "sets": len(known),
+             "resamples": 0 if weights is None else int(weights.shape[0])}
+    # The selected sets against the defaults.
+    gaps = []
+    for r in rows:
+        if r["method"] not in SELECTED:
+            continue
+        for ref in REFERENCES:
+            if ref not in by or r["tau_all"] is None or by[ref]["tau_all"] is None:
+                continue
+            b = by[ref]
+            delta = r["tau_all"] - b["tau_all"]
+            ranges = [x["tau_max"] - x["tau_min"] for x in (r, b) if len(x["tau_seeds"]) > 1]
+            spread = max(ranges) if ranges else None
+            g_lo = g_hi = None
+            if weights is not None:
+                g_lo, g_hi = interval(boot[r["name"]] - boot[ref])
+            gaps.append({"set": r["name"], "layers": r["layers"], "vs": ref, "vs_layers": b["layers"],
+                         "tau": r["tau_all"], "tau_ref": b["tau_all"], "delta": delta,
+                         "delta_pct": r["delta_pct"][ref], "seed_spread": spread,
+                         "beyond_seed_spread": None if spread is None else abs(delta) > spread,
+                         "ci_low": g_lo, "ci_high": g_hi})
+    return {"temperature": temperature, "tree_nodes": tree_nodes, "label": condition_label(temperature, tree_nodes),
+            "sets": rows, "spearman": spear, "gaps": gaps}
+
+
+def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: dict, bootstrap: int = 1000,
+                    seed: int = 0) -> dict:
+    """study.json's dict from the plan, every draft's benchmark (keyed (set name, seed)) and the baseline's."""
+    bench = plan["settings"]["bench"]
+    sets, seeds = plan["sets"], plan["seeds"]
+    base = [a for a in baseline["answers"] if a["method"] == "plain"]
+    plain = {(a["question_id"], a["temperature"]): a for a in base}
+    hf = {(a["question_id"], a["temperature"]): a for a in baseline["answers"] if a["method"] == "hf_generate"}
+    subtask_of = {a["question_id"]: a["subtask"] for a in base}
+    qids = list(subtask_of)
+    weights = resample_weights(len(qids), bootstrap, seed) if bootstrap and qids else None
+    conditions = [(t, n) for t in bench["temperature"] for n in bench["tree_nodes"]] + [(None, None)]
+    out = []
+    for t, n in conditions:
+        stats = {(s["name"], sd): draft_stats(benches[(s["name"], sd)]["answers"], qids, subtask_of, t, n, plain, hf)
+                 for s in sets for sd in seeds}
+        out.append(summarize_condition(sets, seeds, stats, weights, t, n))
+    speeds = []
+    for t in bench["temperature"]:
+        speeds.append({"temperature": t,
+                       "plain_tokens_per_s": _mean([_tps(a) for a in base if a["temperature"] == t]),
+                       "hf_tokens_per_s": _mean([_tps(a) for a in hf.values() if a["temperature"] == t])})
+    study = {
+        "model": plan["model"], "run": plan["settings"]["run"], "num_layers": plan["num_layers"],
+        "sets": sets, "seeds": seeds, "subtasks": list(dict.fromkeys(subtask_of.values())),
+        "questions": len(qids), "bootstrap": {"resamples": bootstrap, "seed": seed, "unit": "Spec-Bench question"},
+        "settings": plan["settings"], "baseline": speeds, "conditions": out,
+    }
+    study["verdict"] = verdict(study)
+    return study
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+
+
+def _f(x, digits: int = 3, signed: bool = False) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+
+
+def _layers(layers) -> str:
+    return "[" + ", ".join(map(str, layers)) + "]"
+
+
+def gap_sentence(g: dict) -> str:
+    """One plain sentence: does the selected set beat the default, by how much, beyond the noise?"""
+    beats = g["delta"] > 0
+    txt = (f"{g['set']} {_layers(g['layers'])} {'beats' if beats else 'does not beat'} {g['vs']} "
+           f"{_layers(g['vs_layers'])}: τ {_f(g['tau'])} vs {_f(g['tau_ref'])} ({_f(g['delta_pct'], 1, True)}%)")
+    if g["seed_spread"] is None:
+        txt += "; seed-to-seed noise not measured (one seed each)"
+    else:
+        word = "larger than" if g["beyond_seed_spread"] else "within"
+        txt += f"; the gap {_f(g['delta'], 3, True)} is {word} the seed-to-seed spread ({_f(g['seed_spread'])})"
+    if g["ci_low"] is not None:
+        excl = g["ci_low"] > 0 or g["ci_high"] < 0
+        txt += (f"; question-bootstrap 95% interval of the gap [{_f(g['ci_low'], 3, True)}, "
+                f"{_f(g['ci_high'], 3, True)}]{', which excludes 0' if excl else ''}")
+    return txt + "."
+
+
+def verdict(study: dict) -> list[str]:
+    """Plain sentences on the pooled condition: the Spearman line, each selected set against each
+    default, and a count."""
+    pooled = study["conditions"][-1]
+    sp = pooled["spearman"]
+    out = []
+    if sp["rho"] is not None:
+        ci = (f" (95% bootstrap interval [{_f(sp['ci_low'], 2)}, {_f(sp['ci_high'], 2)}])"
+              if sp["ci_low"] is not None else "")
+        out.append(f"Across the {sp['sets']} sets, set entropy and τ have Spearman ρ = {_f(sp['rho'], 2)}{ci}.")
+    gaps = pooled["gaps"]
+    out += [gap_sentence(g) for g in gaps]
+    for ref in REFERENCES:
+        mine = [g for g in gaps if g["vs"] == ref]
+        if not mine:
+            continue
+        wins = [g for g in mine if g["delta"] > 0]
+        clear = [g for g in wins if g["beyond_seed_spread"]]
+        noise = ("" if all(g["seed_spread"] is None for g in mine)
+                 else f", {len(clear)} of them by more than the seed-to-seed spread")
+        out.append(f"In all: the selected sets beat {ref} in {len(wins)} of {len(mine)} comparisons{noise}.")
+    if not gaps:
+        out.append("No selected set (elsi, elsi-c, exhaustive) and default (eagle3, eagle2) pair to compare.")
+    return out
+
+
+def condition_table(cond: dict, subtasks: list[str]) -> tuple[list[str], list[list[str]]]:
+    """(header, rows of text) of one condition: a row per set."""
+    refs = [ref for ref in REFERENCES if any(ref in r["delta_pct"] for r in cond["sets"])]
+    header = ["set", "layers", "H (nats)", *[f"τ {s}" for s in subtasks], "τ all", "τ seeds min–max",
+              *[f"Δ% vs {ref}" for ref in refs], "tok/s", "vs plain"]
+    rows = []
+    for r in cond["sets"]:
+        seeds = (f"{_f(r['tau_min'])}–{_f(r['tau_max'])}" if len(r["tau_seeds"]) > 1 else "1 seed")
+        rows.append([r["name"], _layers(r["layers"]), _f(r["entropy"], 4), *[_f(r["tau"].get(s)) for s in subtasks],
+                     _f(r["tau_all"]), seeds, *[_f(r["delta_pct"].get(ref), 1, True) for ref in refs],
+                     _f(r["tokens_per_s"], 1), _f(r["speedup_vs_plain"], 2) + ("×" if r["speedup_vs_plain"] else "")])
+    return header, rows
+
+
+def spearman_line(cond: dict) -> str:
+    sp = cond["spearman"]
+    ci = (f", 95% bootstrap interval [{_f(sp['ci_low'], 2)}, {_f(sp['ci_high'], 2)}] over {sp['resamples']} "
+          "resamples of the questions" if sp["ci_low"] is not None else "")
+    return f"Spearman ρ(set entropy, τ all) = {_f(sp['rho'], 2)} across {sp['sets']} sets{ci}."
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub-markdown table."""
+    cells = [header, *rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+NOTE = ("τ = accepted tokens per target step (the drafted tokens accepted + the target's own), pooled over all "
+        "steps of a subtask (Spec-Bench's rule); τ all pools every subtask. A set's τ is the mean over its seeds; "
+        "\"τ seeds min–max\" is the seed-to-seed spread. Δ% = 100 (τ all / τ all of the default − 1). tok/s "
+        "and the speed-up against plain decoding are means over answers; the plain answers were timed once, in "
+        "bench/baseline.json, so machine load between runs shows in them. H = the set's matrix entropy as `elsi "
+        "select` reports it.")
+
+
+def _budget(train: dict) -> str:
+    limit = str(train["time_budget"]).strip().lower()
+    txt = "no time limit" if limit in ("", "0", "none") else f"budget {train['time_budget']}"
+    return txt + (f", at most {train['max_steps']} steps" if train.get("max_steps") else "")
+
+
+def study_markdown(study: dict) -> str:
+    """study.md: the sets, one table per condition with its Spearman line, the verdict, the baseline speeds."""
+    s = study["settings"]
+    b, f, t = s["bench"], s["features"], s["train"]
+    parts = [
+        f"# Layer-set study: {study['model']}", "",
+        f"Sets selected on `{study['run']}`; one draft per set and seed (seeds {study['seeds']}) trained on "
+        f"{f['data']} ({f['samples']} conversations, ≤ {f['max_tokens']} tokens), {_budget(t)} each, "
+        f"same hyper-parameters; Spec-Bench {', '.join(study['subtasks'])} ({study['questions']} questions), "
+        f"≤ {b['max_new_tokens']} new tokens per turn, tree depth {b['depth']}, top-k {b['top_k']}.", "",
+        "## Verdict", "", *[f"- {v}" for v in study["verdict"]], "",
+        "## Sets", "",
+        md_table(["set", "method", "m", "layers", "H (nats)", "H / log B"],
+                 [[x["name"], x["method"], str(x["m"]), _layers(x["layers"]), _f(x["entropy"], 4),
+                   _f(x["entropy_normalized"], 4)] for x in study["sets"]]), "",
+    ]
+    for cond in study["conditions"]:
+        parts += [f"## τ, {cond['label']}", "", md_table(*condition_table(cond, study["subtasks"])), "",
+                  spearman_line(cond), ""]
+    if study.get("command"):
+        parts += [f"Made by `{study['command']}`.", ""]
+    parts += ["## Baseline speed", "",
+              md_table(["T", "plain tok/s", "HF generate tok/s"],
+                       [[f"{x['temperature']:g}", _f(x["plain_tokens_per_s"], 1), _f(x["hf_tokens_per_s"], 1)]
+                        for x in study["baseline"]]), "",
+              NOTE, ""]
+    return "\n".join(parts)
+
+
+__all__ = ["condition_table", "gap_sentence", "md_table", "rankdata", "resample_weights", "spearman",
+           "spearman_line", "study_markdown", "summarize_study", "verdict"]

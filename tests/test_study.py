@@ -1,0 +1,286 @@
+"""``elsi study`` on the tiny 8-layer target: set specs, Spearman against scipy, the summary's numbers against
+the benchmark answers, the study directory's files, resuming after an interrupt, and reuse without retraining."""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from conftest import make_tiny_target
+
+from elsi.cli import main
+from elsi.select.run import SelectConfig, Selector
+from elsi.study import make_plan, parse_set, rankdata, resolve_sets, spearman, summarize_study
+from elsi.study.summary import resample_weights
+
+SUBTASKS = ["mt_bench", "qa"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank correlation
+
+
+def test_spearman_hand_example_with_ties():
+    # y ranks [1, 2, 3.5, 5, 3.5]; centred x ranks [-2..2]; sum of products 8, sums of squares 10 and 9.5.
+    assert rankdata([5, 6, 7, 8, 7]).tolist() == [1.0, 2.0, 3.5, 5.0, 3.5]
+    assert spearman([1, 2, 3, 4, 5], [5, 6, 7, 8, 7]) == pytest.approx(8 / math.sqrt(95), abs=1e-12)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(spearman([1, 2, 3], [4, 4, 4]))  # a constant side has no ranks to correlate
+    with pytest.raises(ValueError, match="one length"):
+        spearman([1, 2], [1, 2, 3])
+
+
+def test_spearman_and_ranks_match_scipy():
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 5, 7, 12):
+        for _ in range(20):
+            x = rng.integers(0, 4, n).astype(float)  # many ties
+            y = rng.normal(size=n).round(1)
+            np.testing.assert_allclose(rankdata(x), scipy.stats.rankdata(x))
+            ref = scipy.stats.spearmanr(x, y).statistic if len(set(x)) > 1 and len(set(y)) > 1 else math.nan
+            got = spearman(x, y)
+            assert (math.isnan(got) and math.isnan(ref)) or got == pytest.approx(ref, abs=1e-12)
+
+
+def test_resample_weights_draw_every_question_count_times():
+    w = resample_weights(7, 50, seed=3)
+    assert w.shape == (50, 7) and (w.sum(1) == 7).all()
+    assert np.array_equal(w, resample_weights(7, 50, seed=3))  # a fixed seed: the same resamples
+
+
+# ---------------------------------------------------------------------------------------------
+# Set specs
+
+
+def test_parse_set_names_and_errors():
+    assert parse_set("eagle3", 8) == ("eagle3", "eagle3", 3)
+    assert parse_set("ELSI:3", 8) == ("elsi:3", "elsi", 3)
+    assert parse_set("layers:5,1,7", 8) == ("layers:1,5,7", "layers", (1, 5, 7))
+    for spec, words in [("nonsense", "unknown set"), ("elsi", "needs a size"), ("elsi:x", "needs a size"),
+                        ("eagle3:2", "by definition"), ("layers:1,99", "out of range"), ("layers:", "empty")]:
+        with pytest.raises(ValueError, match=words) as err:
+            parse_set(spec, 8)
+        assert repr(spec) in str(err.value)
+
+
+def test_resolve_sets_scores_like_select(tiny_run):
+    sel = Selector(SelectConfig(run=str(tiny_run)))
+    sets = resolve_sets(["eagle2", "eagle3", "elsi:2", "layers:2,4,5"], sel)
+    assert [s.layers for s in sets[:2]] == [(8,), (2, 4, 5)]
+    assert sets[2].entropy == pytest.approx(sel.select("elsi", 2).entropy)
+    assert sets[3].entropy == pytest.approx(sets[1].entropy)  # the same layers as eagle3, the same score
+    assert [s.slug for s in sets] == ["eagle2", "eagle3", "elsi-2", "layers-2-4-5"]
+    for spec in ("elsi:99", "uniform:0"):
+        with pytest.raises(ValueError, match=repr(spec)):
+            resolve_sets([spec], sel)
+    with pytest.raises(ValueError, match="more than once"):
+        resolve_sets(["eagle3", "eagle3"], sel)
+
+
+def test_study_config_errors_name_the_bad_value():
+    from elsi.study import StudyConfig
+
+    for kw, words in [({"seeds": [0, 0]}, r"repeats \[0\]"), ({"sets": []}, "--sets is empty"),
+                      ({"subtasks": ["poetry"]}, "poetry"), ({"train_budget": "soon"}, "soon"),
+                      ({"tree_nodes": [0]}, "tree_nodes must be >= 1, got 0")]:
+        with pytest.raises(ValueError, match=words):
+            StudyConfig(out="s", **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary on synthetic benchmarks
+
+
+def _answer(qid, subtask, temp, nodes, steps, accepted, method="spec", tokens=10, time_s=1.0):
+    return {"question_id": qid, "subtask": subtask, "method": method, "temperature": temp, "tree_nodes": nodes,
+            "new_tokens": tokens, "time_s": time_s, "steps": steps, "accepted": accepted, "profile": {}}
+
+
+def test_summary_numbers_gaps_and_verdict():
+    qs = [(1, "mt_bench"), (2, "mt_bench"), (3, "qa")]
+    plan = {"model": "m", "num_layers": 8, "seeds": [0, 1],
+            "settings": {"run": "r", "bench": {"temperature": [0.0], "tree_nodes": [4]}},
+            "sets": [{"name": "eagle3", "method": "eagle3", "m": 3, "layers": [2, 4, 5], "entropy": 1.0},
+                     {"name": "elsi:3", "method": "elsi", "m": 3, "layers": [1, 5, 8], "entropy": 1.2}]}
+    baseline = {"answers": [_answer(q, s, 0.0, None, 10, 10, "plain", time_s=2.0) for q, s in qs]}
+    # (set, seed) -> accepted tokens per question (10 steps each): eagle3 τ 2.0 / 2.1, elsi:3 τ 3.0 / 2.9.
+    acc = {("eagle3", 0): [20, 20, 20], ("eagle3", 1): [21, 21, 21], ("elsi:3", 0): [30, 30, 30],
+           ("elsi:3", 1): [29, 29, 29]}
+    benches = {k: {"answers": [_answer(q, s, 0.0, 4, 10, a) for (q, s), a in zip(qs, v)]} for k, v in acc.items()}
+    study = summarize_study(plan, benches, baseline, bootstrap=100)
+    assert [c["label"] for c in study["conditions"]] == ["T = 0, 4 nodes", "all conditions pooled"]
+    rows = {r["name"]: r for r in study["conditions"][0]["sets"]}
+    assert rows["eagle3"]["tau_all"] == pytest.approx(2.05) and rows["elsi:3"]["tau_all"] == pytest.approx(2.95)
+    assert rows["elsi:3"]["tau"] == {"mt_bench": pytest.approx(2.95), "qa": pytest.approx(2.95)}
+    assert rows["elsi:3"]["tau_seeds"] == [pytest.approx(3.0), pytest.approx(2.9)]
+    assert rows["elsi:3"]["delta_pct"]["eagle3"] == pytest.approx(100 * (2.95 / 2.05 - 1))
+    assert rows["eagle3"]["delta_pct"]["eagle3"] == pytest.approx(0.0)
+    assert rows["elsi:3"]["speedup_vs_plain"] == pytest.approx(2.0)  # 10 tok/s against 5 tok/s
+    (gap,) = study["conditions"][0]["gaps"]
+    assert gap["delta"] == pytest.approx(0.9) and gap["seed_spread"] == pytest.approx(0.1)
+    assert gap["beyond_seed_spread"] is True and gap["ci_low"] == pytest.approx(0.9)  # every question moved alike
+    assert study["conditions"][0]["spearman"]["rho"] == pytest.approx(1.0)
+    text = " ".join(study["verdict"])
+    assert "elsi:3 [1, 5, 8] beats eagle3 [2, 4, 5]" in text and "larger than the seed-to-seed spread" in text
+    assert "beat eagle3 in 1 of 1 comparisons, 1 of them by more than the seed-to-seed spread" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: `elsi study` on the tiny target
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    t = make_tiny_target()  # the `tiny_target` the tiny run was collected with (N = 8, same hidden states) ...
+    with torch.no_grad():  # ... with a peaked next-token distribution, which a draft can learn in a few steps
+        t.model.lm_head.weight.mul_(60.0)
+    d = tmp_path_factory.mktemp("tiny_model8")
+    t.model.save_pretrained(d)
+    t.tokenizer.save_pretrained(d)
+    return d
+
+
+def _argv(tiny_dir, tiny_run, tiny_data, out, *extra):
+    return ["study", "--model", str(tiny_dir), "--run", str(tiny_run), "--data", str(tiny_data), "--out", str(out),
+            "--sets", "eagle2", "eagle3", "elsi:2", "--seeds", "0", "1", "--samples", "6", "--max-tokens", "48",
+            "--draft-vocab", "100", "--max-steps", "12", "--batch-size", "2", "--train-budget", "0",
+            "--subtasks", *SUBTASKS, "--questions-per-subtask", "1", "--max-new-tokens", "5",
+            "--temperature", "0", "1", "--tree-nodes", "4", "--depth", "3", "--top-k", "2", "--warmup", "0",
+            "--bootstrap", "200", "--device", "cpu", *extra]
+
+
+def _pooled_tau(answers, temperature=None):
+    spec = [a for a in answers if a["method"] == "spec" and temperature in (None, a["temperature"])]
+    return sum(a["accepted"] for a in spec) / sum(a["steps"] for a in spec)
+
+
+def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_path, monkeypatch, capsys):
+    import elsi.draft.features
+    import elsi.study.run
+
+    out = tmp_path / "study"
+    argv = _argv(tiny_dir, tiny_run, tiny_data, out)
+
+    # A bad set is an error naming it, before anything is written.
+    assert main(_argv(tiny_dir, tiny_run, tiny_data, out, "--sets", "eagle3", "elsi:99")) == 2
+    assert "'elsi:99'" in capsys.readouterr().err and not out.exists()
+
+    # Interrupted while training the third draft: the first two are kept.
+    real_train = elsi.study.run.train_draft
+    calls = []
+
+    def interrupt_third(*args, **kw):
+        calls.append(args[2].out)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_train(*args, **kw)
+
+    monkeypatch.setattr(elsi.study.run, "train_draft", interrupt_third)
+    assert main(argv) == 130
+    assert "rerun the same command to continue" in capsys.readouterr().err
+    done = [out / "drafts" / "eagle2-s0", out / "drafts" / "eagle2-s1"]
+    assert all((d / "training.json").is_file() for d in done) and not (out / "study.json").exists()
+    assert (out / "bench" / "eagle2-s0.json").is_file() and (out / "bench" / "baseline.json").is_file()
+    stamps = {p: p.stat().st_mtime_ns for p in [*(d / "model.safetensors" for d in done),
+                                                 out / "bench" / "eagle2-s0.json", out / "bench" / "baseline.json"]}
+
+    # Rerun: continues with the third draft; nothing finished is redone.
+    monkeypatch.setattr(elsi.study.run, "train_draft", real_train)
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "step 3/15: training eagle2 [8] seed 0 (done" in captured.err
+    assert "step 7/15: training eagle3 [2, 4, 5] seed 0" in captured.err
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
+
+    # The files and their structure.
+    plan = json.loads((out / "plan.json").read_text())
+    assert [(s["name"], s["layers"]) for s in plan["sets"]][:2] == [("eagle2", [8]), ("eagle3", [2, 4, 5])]
+    assert plan["seeds"] == [0, 1] and plan["cache_layers"] == sorted({l for s in plan["sets"] for l in s["layers"]})
+    sel = Selector(SelectConfig(run=str(tiny_run)))
+    assert plan["sets"][2]["entropy"] == pytest.approx(sel.select("elsi", 2).entropy)
+    feats = json.loads((out / "features" / "features.json").read_text())
+    assert feats["layers"] == plan["cache_layers"]  # one feature cache, every set's layers
+    base = json.loads((out / "bench" / "baseline.json").read_text())
+    assert {r["method"] for r in base["runs"]} == {"plain", "hf_generate"}
+    benches = {}
+    for s in plan["sets"]:
+        for seed in (0, 1):
+            rec = json.loads((out / "drafts" / f"{s['slug']}-s{seed}" / "training.json").read_text())
+            assert rec["status"] == "complete" and rec["layers"] == s["layers"] and rec["steps"] == 12
+            b = json.loads((out / "bench" / f"{s['slug']}-s{seed}.json").read_text())
+            assert {(r["method"], r["temperature"], r["tree_nodes"]) for r in b["runs"]} == {
+                ("spec", 0.0, 4), ("spec", 1.0, 4)}
+            assert b["draft"]["layer_ids"] == s["layers"] and (b["set"], b["seed"]) == (s["name"], seed)
+            benches[(s["name"], seed)] = b
+
+    study = json.loads((out / "study.json").read_text())
+    assert study["subtasks"] == SUBTASKS and study["questions"] == 2
+    assert [(c["temperature"], c["tree_nodes"]) for c in study["conditions"]] == [(0.0, 4), (1.0, 4), (None, None)]
+    for cond in study["conditions"]:
+        rows = {r["name"]: r for r in cond["sets"]}
+        assert list(rows) == ["eagle2", "eagle3", "elsi:2"]
+        for name, r in rows.items():
+            ref = [_pooled_tau(benches[(name, seed)]["answers"], cond["temperature"]) for seed in (0, 1)]
+            assert r["tau_seeds"] == pytest.approx(ref) and r["tau_all"] == pytest.approx(sum(ref) / 2)
+            assert set(r["tau"]) == set(SUBTASKS) and r["tau_min"] <= r["tau_all"] <= r["tau_max"]
+            assert r["speedup_vs_plain"] > 0 and r["tokens_per_s"] > 0
+        assert rows["eagle3"]["delta_pct"]["eagle3"] == pytest.approx(0.0)
+        assert rows["elsi:2"]["delta_pct"]["eagle2"] == pytest.approx(
+            100 * (rows["elsi:2"]["tau_all"] / rows["eagle2"]["tau_all"] - 1))
+        sp = cond["spearman"]
+        ent = [r["entropy"] for r in cond["sets"]]
+        tau = [r["tau_all"] for r in cond["sets"]]
+        ref = scipy.stats.spearmanr(ent, tau).statistic if len(set(tau)) > 1 else None
+        assert sp["rho"] == (pytest.approx(ref) if ref is not None else None) and sp["resamples"] == 200
+        if sp["ci_low"] is not None:
+            assert -1 <= sp["ci_low"] <= sp["ci_high"] <= 1
+        assert {(g["set"], g["vs"]) for g in cond["gaps"]} == {("elsi:2", "eagle3"), ("elsi:2", "eagle2")}
+    md = (out / "study.md").read_text()
+    assert "## Verdict" in md and "| set " in md and "τ all" in md and "Spearman ρ(set entropy, τ all)" in md
+    assert "elsi:2" in md and ("beats eagle3" in md or "does not beat eagle3" in md)
+    page = (out / "report" / "index.html").read_text()
+    ET.fromstring(page.split("\n", 2)[2])  # well-formed after the XML declaration and doctype
+    assert 'id="sec-study"' in page and 'data-file="study_tau_entropy.png"' in page
+    assert (out / "report" / "study_tau_entropy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "τ all" in (out / "report" / "selection.md").read_text()
+
+    # Third run: everything is reused, no target forward, no training, no benchmark.
+    def fail(*a, **k):
+        raise AssertionError("finished work was redone")
+
+    for mod, name in [(elsi.study.run, "train_draft"), (elsi.study.run, "run_bench"),
+                      (elsi.draft.features, "target_features")]:
+        monkeypatch.setattr(mod, name, fail)
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("drafts/*/model.safetensors")}
+    assert main(argv) == 0
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
+    assert json.loads((out / "study.json").read_text())["conditions"] == study["conditions"]
+
+    # Other settings on the same directory: an error naming each difference.
+    capsys.readouterr()
+    assert main(argv + ["--max-new-tokens", "6", "--lr", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert "bench.max_new_tokens: 5 in plan.json, 6 now" in err and "train.lr" in err and "--restart" in err
+
+    # --restart clears the study's own files and keeps the feature cache.
+    from elsi.study import prepare_study
+
+    plan["settings"]["bench"]["max_new_tokens"] = 6
+    prepare_study(out, plan, restart=True)
+    assert not (out / "drafts").exists() and not (out / "bench").exists() and not (out / "study.json").exists()
+    assert (out / "features" / "features.json").is_file() and json.loads((out / "plan.json").read_text()) == plan
+
+
+def test_make_plan_rejects_a_missing_run(tmp_path):
+    from elsi.draft.features import FeatureConfig
+    from elsi.draft.train import TrainConfig
+    from elsi.study import StudyConfig
+
+    with pytest.raises(ValueError, match="no manifest.json"):
+        make_plan(StudyConfig(out=str(tmp_path / "s")), FeatureConfig(), TrainConfig(layers="", out=""),
+                  tmp_path / "nowhere")
