@@ -2,7 +2,11 @@
 vs both, a sweep of tree sizes, and where a speculative step's time goes.
 
     .venv/bin/python bench/spec_decode.py [--draft random|DRAFT_DIR] [--questions-per-subtask 2]
-        [--max-new-tokens 64] [--tree-nodes 8 16 30 60] [--depth 6] [--top-k 10]
+        [--max-new-tokens 64] [--tree-nodes 8 16 30 60] [--shapes 6:10 4:4 5:1]
+
+``--shapes DEPTH:TOP_K ...``: tree shapes, each run at every ``--tree-nodes`` (``k = 1`` is
+chain drafting, where the node count is capped by the depth); the method of a run is labelled
+``spec d<depth> k<top_k>``.
 
 Writes bench/results/spec_decode.json (settings, versions, machine, per-run and per-subtask
 tau, tokens/s, speed-ups, ms per step by phase) and prints the ratios. Methods run interleaved
@@ -27,6 +31,7 @@ from elsi.decode import TargetRunner, crop_cache, load_drafter
 from elsi.decode.tree import additive_mask
 from elsi.models import load_target
 from elsi.specbench import BenchConfig, machine_info, run_bench, summary_rows
+from elsi.specbench.runner import Answer, summarize
 
 
 def forward_curve(runner: TargetRunner, sizes: list[int], context: int = 300, reps: int = 7) -> dict[int, float]:
@@ -60,8 +65,7 @@ def main() -> int:
     ap.add_argument("--questions-per-subtask", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--tree-nodes", type=int, nargs="+", default=[8, 16, 30, 60])
-    ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--top-k", type=int, default=10)
+    ap.add_argument("--shapes", nargs="+", default=["6:10"], help="tree shapes DEPTH:TOP_K")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="bench/results/spec_decode.json")
     args = ap.parse_args()
@@ -74,16 +78,30 @@ def main() -> int:
     target = load_target(args.model)
     drafter, info = load_drafter(args.draft, target)
     runner = TargetRunner.from_target(target)
-    curve = forward_curve(runner, [1] + sorted(set(n + 1 for n in args.tree_nodes)))
-    cfg = BenchConfig(model=args.model, draft=args.draft, subtasks=args.subtasks,
-                      questions_per_subtask=args.questions_per_subtask, max_new_tokens=args.max_new_tokens,
-                      temperature=[0.0], tree_nodes=args.tree_nodes, depth=args.depth, top_k=args.top_k)
+    curve = forward_curve(runner, [1] + sorted(set(n + 1 for n in args.tree_nodes) | {5, 9, 17, 33}))
+    shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes]  # (depth, top_k)
+    answers: list[Answer] = []
+    cfg = None
+    for i, (depth, top_k) in enumerate(shapes):
+        # One call per shape; the baselines (generate, plain) only in the first.
+        nodes = sorted({min(n, depth) for n in args.tree_nodes}) if top_k == 1 else args.tree_nodes
+        c = BenchConfig(model=args.model, draft=args.draft, subtasks=args.subtasks,
+                        questions_per_subtask=args.questions_per_subtask, max_new_tokens=args.max_new_tokens,
+                        temperature=[0.0], tree_nodes=nodes, depth=depth, top_k=top_k, hf_generate=i == 0,
+                        plain=i == 0)
+        cfg = cfg or c
 
-    def show(a, done, total):
-        print(f"\r[{done}/{total}] {a.subtask} q{a.question_id}", end="", file=sys.stderr, flush=True)
+        def show(a, done, total, label=f"d{depth} k{top_k}"):
+            print(f"\r{label} [{done}/{total}] {a.subtask} q{a.question_id}", end="", file=sys.stderr, flush=True)
 
-    res = run_bench(target, drafter, cfg, on_answer=show)
+        part = run_bench(target, drafter, c, on_answer=show)
+        for a in part["answers"]:
+            if a["method"] == "spec":
+                a["method"] = f"spec d{depth} k{top_k}"
+            answers.append(Answer(**a))
     print(file=sys.stderr)
+    res = summarize(answers, cfg)
+    res["settings"]["shapes"] = args.shapes
     res = {"command": "python bench/spec_decode.py " + " ".join(sys.argv[1:]), "draft": info,
            "versions": package_versions(), "machine": machine_info(),
            "forward_ms_by_tokens": {str(k): v for k, v in curve.items()}, **res}
@@ -100,9 +118,9 @@ def main() -> int:
         o = r["overall"]
         if r["method"] == "plain":
             print(f"plain decoding / transformers generate: {o['speedup_vs_hf']:.3f}")
-        if r["method"] == "spec":
+        if r["method"].startswith("spec"):
             ms = ", ".join(f"{k} {v:.1f}" for k, v in o["ms_per_step"].items())
-            print(f"spec {r['tree_nodes']:>3} nodes: x{o['speedup_vs_plain']:.3f} vs plain, "
+            print(f"{r['method']} {r['tree_nodes']:>3} nodes: x{o['speedup_vs_plain']:.3f} vs plain, "
                   f"x{o['speedup_vs_hf']:.3f} vs generate, tau {o['tau']:.2f}; ms/step: {ms}")
     print(f"wrote {args.out}")
     return 0

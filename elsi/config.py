@@ -50,7 +50,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         help_text = meta.get("help", "")
-        if default not in (None, "", dataclasses.MISSING) and not isinstance(default, bool):
+        if default not in (None, "", [], dataclasses.MISSING) and not isinstance(default, bool):
             help_text += f" (default: {default if not isinstance(default, list) else ' '.join(map(str, default))})"
         kwargs: dict[str, Any] = {"help": help_text, "dest": f.name}
         names = [meta.get("flag", "--" + f.name.replace("_", "-"))]

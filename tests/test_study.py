@@ -15,8 +15,9 @@ from conftest import make_tiny_target
 
 from elsi.cli import main
 from elsi.select.run import SelectConfig, Selector
-from elsi.study import make_plan, parse_set, rankdata, resolve_sets, spearman, summarize_study
-from elsi.study.summary import resample_weights
+from elsi.study import make_plan, parse_set, rankdata, resolve_sets, spearman, study_markdown, summarize_study
+from elsi.study.plan import set_seeds
+from elsi.study.summary import condition_table, resample_weights
 
 SUBTASKS = ["mt_bench", "qa"]
 
@@ -82,12 +83,24 @@ def test_resolve_sets_scores_like_select(tiny_run):
         resolve_sets(["eagle3", "eagle3"], sel)
 
 
+def test_set_seeds_multi_seed_sets_and_errors(tiny_run):
+    sets = resolve_sets(["eagle2", "eagle3", "layers:1,5"], Selector(SelectConfig(run=str(tiny_run))))
+    assert set_seeds([], sets, [3, 1], 8) == {"eagle2": [3, 1], "eagle3": [3, 1], "layers:1,5": [3, 1]}
+    # Specs are compared normalised: "EAGLE3" is eagle3, "layers:5,1" is layers:1,5.
+    assert set_seeds(["EAGLE3", "layers:5,1"], sets, [3, 1], 8) == {
+        "eagle2": [3], "eagle3": [3, 1], "layers:1,5": [3, 1]}
+    with pytest.raises(ValueError, match=r"--multi-seed-sets \['elsi:3', 'nonsense'\]: not in --sets") as err:
+        set_seeds(["eagle3", "elsi:3", "nonsense"], sets, [3, 1], 8)
+    assert "eagle2, eagle3, layers:1,5" in str(err.value)
+
+
 def test_study_config_errors_name_the_bad_value():
     from elsi.study import StudyConfig
 
     for kw, words in [({"seeds": [0, 0]}, r"repeats \[0\]"), ({"sets": []}, "--sets is empty"),
                       ({"subtasks": ["poetry"]}, "poetry"), ({"train_budget": "soon"}, "soon"),
-                      ({"tree_nodes": [0]}, "tree_nodes must be >= 1, got 0")]:
+                      ({"tree_nodes": [0]}, "tree_nodes must be >= 1, got 0"),
+                      ({"multi_seed_sets": ["eagle3", "eagle3"]}, r"--multi-seed-sets repeats \['eagle3'\]")]:
         with pytest.raises(ValueError, match=words):
             StudyConfig(out="s", **kw)
 
@@ -128,6 +141,47 @@ def test_summary_numbers_gaps_and_verdict():
     text = " ".join(study["verdict"])
     assert "elsi:3 [1, 5, 8] beats eagle3 [2, 4, 5]" in text and "larger than the seed-to-seed spread" in text
     assert "beat eagle3 in 1 of 1 comparisons, 1 of them by more than the seed-to-seed spread" in text
+
+
+def test_summary_with_one_multi_seed_set():
+    qs = [(1, "mt_bench"), (2, "qa")]
+    plan = {"model": "m", "num_layers": 8, "seeds": [0, 1],
+            "settings": {"run": "r", "features": {"data": "d", "samples": 6, "max_tokens": 48},
+                         "train": {"time_budget": "0", "max_steps": 12},
+                         "bench": {"temperature": [0.0], "tree_nodes": [4], "max_new_tokens": 5, "depth": 3,
+                                   "top_k": 2}},
+            "sets": [{"name": "eagle2", "method": "eagle2", "m": 1, "layers": [8], "entropy": 0.5,
+                      "entropy_normalized": 0.2, "seeds": [0]},
+                     {"name": "eagle3", "method": "eagle3", "m": 3, "layers": [2, 4, 5], "entropy": 1.0,
+                      "entropy_normalized": 0.4, "seeds": [0, 1]},
+                     {"name": "elsi:3", "method": "elsi", "m": 3, "layers": [1, 5, 8], "entropy": 1.2,
+                      "entropy_normalized": 0.5, "seeds": [0]}]}
+    baseline = {"answers": [_answer(q, s, 0.0, None, 10, 10, "plain") for q, s in qs]}
+    # No draft of eagle2 or elsi:3 with seed 1: the summary must not need one.
+    acc = {("eagle2", 0): [15, 15], ("eagle3", 0): [20, 20], ("eagle3", 1): [22, 22], ("elsi:3", 0): [30, 28]}
+    benches = {k: {"answers": [_answer(q, s, 0.0, 4, 10, a) for (q, s), a in zip(qs, v)]} for k, v in acc.items()}
+    study = summarize_study(plan, benches, baseline, bootstrap=50)
+    assert study["seeds"] == [0, 1] and [s["seeds"] for s in study["sets"]] == [[0], [0, 1], [0]]
+    for cond in study["conditions"]:
+        rows = {r["name"]: r for r in cond["sets"]}
+        assert {k: r["seeds"] for k, r in rows.items()} == {"eagle2": [0], "eagle3": [0, 1], "elsi:3": [0]}
+        assert rows["eagle3"]["tau_seeds"] == [pytest.approx(2.0), pytest.approx(2.2)]
+        assert rows["eagle3"]["tau_all"] == pytest.approx(2.1) and rows["eagle3"]["tau_std"] is not None
+        assert rows["elsi:3"]["tau_seeds"] == [pytest.approx(2.9)] and rows["elsi:3"]["tau_all"] == pytest.approx(2.9)
+        assert rows["eagle2"]["tau_std"] is None and rows["elsi:3"]["tau_std"] is None
+        gaps = {g["vs"]: g for g in cond["gaps"]}
+        # The spread is eagle3's (its two seeds); against eagle2 (one seed each) it is not measured.
+        assert gaps["eagle3"]["seed_spread"] == pytest.approx(0.2) and gaps["eagle3"]["beyond_seed_spread"] is True
+        assert gaps["eagle2"]["seed_spread"] is None and gaps["eagle2"]["beyond_seed_spread"] is None
+        assert gaps["eagle3"]["ci_low"] is not None and gaps["eagle2"]["ci_low"] is not None
+        sp = cond["spearman"]
+        assert sp["sets"] == 3 and sp["rho"] == pytest.approx(1.0) and sp["ci_low"] is not None
+        header, table = condition_table(cond, study["subtasks"])
+        col = {r[0]: r[header.index("τ seeds min–max")] for r in table}
+        assert col == {"eagle2": "1 seed", "eagle3": "2.000–2.200", "elsi:3": "1 seed"}
+    md = study_markdown(study)
+    assert "seeds [0] for eagle2, elsi:3; [0, 1] for eagle3" in md and "2.000–2.200" in md
+    assert "noise not measured (one seed each)" in " ".join(study["verdict"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,3 +338,57 @@ def test_make_plan_rejects_a_missing_run(tmp_path):
     with pytest.raises(ValueError, match="no manifest.json"):
         make_plan(StudyConfig(out=str(tmp_path / "s")), FeatureConfig(), TrainConfig(layers="", out=""),
                   tmp_path / "nowhere")
+
+
+def test_study_multi_seed_sets_trains_extra_seeds_only_there(tiny_dir, tiny_run, tiny_data, tmp_path, monkeypatch,
+                                                             capsys):
+    import elsi.study.run
+
+    out = tmp_path / "study"
+    argv = _argv(tiny_dir, tiny_run, tiny_data, out, "--bootstrap", "20", "--temperature", "0")
+
+    # A --multi-seed-sets entry that is not in --sets: an error naming it, before anything is written.
+    assert main(argv + ["--multi-seed-sets", "eagle3", "elsi:3"]) == 2
+    err = capsys.readouterr().err
+    assert "--multi-seed-sets ['elsi:3']: not in --sets" in err and not out.exists()
+
+    # eagle3 gets seeds 0 and 1, eagle2 and elsi:2 seed 0 only.
+    assert main(argv + ["--multi-seed-sets", "eagle3"]) == 0
+    assert "step 9/11: training elsi:2" in capsys.readouterr().err
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["seeds"] == [0, 1]
+    assert {s["name"]: s["seeds"] for s in plan["sets"]} == {"eagle2": [0], "eagle3": [0, 1], "elsi:2": [0]}
+    drafts = ["eagle2-s0", "eagle3-s0", "eagle3-s1", "elsi-2-s0"]
+    assert sorted(p.name for p in (out / "drafts").iterdir()) == drafts
+    assert sorted(p.stem for p in (out / "bench").iterdir()) == sorted(["baseline", *drafts])
+    study = json.loads((out / "study.json").read_text())
+    assert {s["name"]: s["seeds"] for s in study["sets"]} == {"eagle2": [0], "eagle3": [0, 1], "elsi:2": [0]}
+    slug = {s["name"]: s["slug"] for s in plan["sets"]}
+    for cond in study["conditions"]:
+        rows = {r["name"]: r for r in cond["sets"]}
+        for name, seeds in [("eagle2", [0]), ("eagle3", [0, 1]), ("elsi:2", [0])]:
+            ref = [_pooled_tau(json.loads((out / "bench" / f"{slug[name]}-s{sd}.json").read_text())["answers"],
+                               cond["temperature"]) for sd in seeds]
+            assert rows[name]["seeds"] == seeds and rows[name]["tau_seeds"] == pytest.approx(ref)
+            assert rows[name]["tau_all"] == pytest.approx(sum(ref) / len(ref))
+            assert (rows[name]["tau_std"] is None) == (len(seeds) == 1)
+        header, table = condition_table(cond, study["subtasks"])
+        col = {r[0]: r[header.index("τ seeds min–max")] for r in table}
+        assert col["eagle2"] == col["elsi:2"] == "1 seed" and "–" in col["eagle3"]
+        gaps = {g["vs"]: g for g in cond["gaps"]}
+        assert gaps["eagle2"]["seed_spread"] is None
+        assert gaps["eagle3"]["seed_spread"] == pytest.approx(rows["eagle3"]["tau_max"] - rows["eagle3"]["tau_min"])
+        assert cond["spearman"]["sets"] == 3
+    assert "seeds [0] for eagle2, elsi:2; [0, 1] for eagle3" in (out / "study.md").read_text()
+    assert (out / "report" / "study_tau_entropy.png").is_file()
+
+    # Giving elsi:2 its second seed continues the study: only that draft is trained and benchmarked.
+    trained, benched = [], []
+    real_train, real_bench = elsi.study.run.train_draft, elsi.study.run.run_bench
+    monkeypatch.setattr(elsi.study.run, "train_draft", lambda *a, **k: trained.append(a[2].out) or real_train(*a, **k))
+    monkeypatch.setattr(elsi.study.run, "run_bench", lambda *a, **k: benched.append(a[2].draft) or real_bench(*a, **k))
+    assert main(argv + ["--multi-seed-sets", "eagle3", "elsi:2"]) == 0
+    assert trained == benched == [str(out / "drafts" / "elsi-2-s1")]
+    study = json.loads((out / "study.json").read_text())
+    assert {r["name"]: r["seeds"] for r in study["conditions"][-1]["sets"]} == {
+        "eagle2": [0], "eagle3": [0, 1], "elsi:2": [0, 1]}

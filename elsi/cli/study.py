@@ -81,8 +81,8 @@ def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime)
         warnings.warn(f"the analysis in {run_dir} is of model {plan['run_model']!r}, the study trains drafts for "
                       f"{fcfg.model!r}")
     prepare_study(cfg.out, plan, cfg.restart)
-    print(table([[s["name"], ",".join(map(str, s["layers"])), f"{s['entropy']:.4f}"] for s in plan["sets"]],
-                ["set", "layers", "entropy (nats)"]), file=sys.stderr)
+    print(table([[s["name"], ",".join(map(str, s["layers"])), f"{s['entropy']:.4f}", ",".join(map(str, s["seeds"]))]
+                 for s in plan["sets"]], ["set", "layers", "entropy (nats)", "seeds"]), file=sys.stderr)
     torch.manual_seed(fcfg.seed)  # the one global seed (HF internals); drafts get theirs injected
     target = load_target(fcfg.model, device, dtype, rt.trust_remote_code)
     dataset = load_dataset(fcfg.data)

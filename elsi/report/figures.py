@@ -388,6 +388,8 @@ def study_tau_entropy(study: dict, path: str | Path) -> Path:
     Each seed's draft is a small point (a line spans their range); the set's mean a large mark, labelled;
     the panel title gives Spearman's ρ and its bootstrap interval.
     """
+    from elsi.study.summary import seeds_phrase  # the study stage loads torch and transformers
+
     conds = [study["conditions"][-1], *study["conditions"][:-1]]
     cols = min(3, len(conds))
     fig = _new("study_tau_entropy")
@@ -415,7 +417,8 @@ def study_tau_entropy(study: dict, path: str | Path) -> Path:
     for ax in list(axes.flat)[len(conds):]:
         ax.axis("off")
     fig.suptitle(f"{Path(study['model']).name}: τ of the trained drafts against the entropy of their layer set\n"
-                 f"small points: one draft per seed {study['seeds']} (line: their range); large marks: the set's mean")
+                 f"small points: one draft per seed, {seeds_phrase(study)} (line: their range); "
+                 "large marks: the set's mean")
     return _save(fig, path)
 
 

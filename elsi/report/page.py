@@ -291,11 +291,12 @@ SECTIONS = [  # (figure name, title)
 
 def study_html(study: dict, figure: Path | None, rel: str) -> str:
     """The study's section: its verdict, the τ-against-entropy figure and one τ table per condition."""
-    from elsi.study.summary import NOTE, condition_table, spearman_line  # the study stage loads torch and transformers
+    # the study stage loads torch and transformers
+    from elsi.study.summary import NOTE, condition_table, seeds_phrase, spearman_line
 
     parts = [
         '<h2 id="sec-study">8. The study: trained drafts, τ and set entropy</h2>',
-        f"<p>One EAGLE3 draft per layer set and seed (seeds {_esc(study['seeds'])}) of {_esc(study['model'])}, all "
+        f"<p>One EAGLE3 draft per layer set and seed ({_esc(seeds_phrase(study))}) of {_esc(study['model'])}, all "
         f"trained on the same data with the same budget ({_esc(study['settings']['train']['time_budget'])}) and "
         f"settings, then benchmarked on Spec-Bench ({_esc(study['questions'])} questions: "
         f"{_esc(', '.join(study['subtasks']))}).</p>",

@@ -249,6 +249,8 @@ def summary_rows(results: dict) -> tuple[list[str], list[list]]:
     for r in results["runs"]:
         o = r["overall"]
         rows.append([f(r["temperature"], 1), r["method"], r["tree_nodes"] or "-", f(o["tokens_per_s"], 1),
-                     f(o["tau"]) if r["method"] == "spec" else "-", f(o["speedup_vs_plain"]), f(o["speedup_vs_hf"])]
-                    + [f(r["subtasks"].get(s, {}).get("tau")) if r["method"] == "spec" else "-" for s in subtasks])
+                     f(o["tau"]) if r["method"].startswith("spec") else "-", f(o["speedup_vs_plain"]),
+                     f(o["speedup_vs_hf"])]
+                    + [f(r["subtasks"].get(s, {}).get("tau")) if r["method"].startswith("spec") else "-"
+                       for s in subtasks])
     return header, rows

@@ -7,8 +7,10 @@ Set specs (``--sets``):
 - ``layers:IDS``: an explicit set, e.g. ``layers:5,18,27`` (DESIGN.md numbering).
 
 Every set's entropy is the score ``elsi select`` reports for it (same scorer and aggregate).
-``plan.json`` records the sets and every setting that shapes a draft or a benchmark; a rerun
-with other settings is an error naming the difference.
+The sets named in ``--multi-seed-sets`` get every ``--seeds``; the others the first seed only
+(no ``--multi-seed-sets``: every set gets every seed).
+``plan.json`` records the sets, each with its seeds, and every setting that shapes a draft or a
+benchmark; a rerun with other settings is an error naming the difference.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ class StudyConfig:
     run: str = opt("", "run directory of a finished `elsi analyze` the sets are selected on (default: runs/<model>)")
     sets: list[str] = opt(DEFAULT_SETS, f"layer sets to compare: {SET_HELP}")
     seeds: list[int] = opt([0], "draft seeds (initialisation, held-out split, batch order): one draft per set and "
-                                "seed, all on the same data (--seed chooses the data)")
+                                "seed (but see --multi-seed-sets), all on the same data (--seed chooses the data)")
+    multi_seed_sets: list[str] = opt([], "layer sets (as written in --sets) that get every --seeds; the others get "
+                                         "the first seed only (none given: every set gets every seed)")
     train_budget: str = like(TrainConfig, "time_budget", help_suffix=", per draft")
     subtasks: list[str] = like(BenchConfig, "subtasks")
     questions_per_subtask: int = like(BenchConfig, "questions_per_subtask", default=10)
@@ -67,6 +71,9 @@ class StudyConfig:
         dup = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
         if dup:
             raise ValueError(f"--seeds repeats {dup}")
+        dup = sorted({s for s in self.multi_seed_sets if self.multi_seed_sets.count(s) > 1})
+        if dup:
+            raise ValueError(f"--multi-seed-sets repeats {dup}")
         if self.bootstrap < 0:
             raise ValueError(f"bootstrap must be >= 0, got {self.bootstrap}")
         parse_duration(self.train_budget)
@@ -155,6 +162,31 @@ def resolve_sets(specs: list[str], selector: Selector) -> list[LayerSet]:
     return out
 
 
+def set_seeds(specs: list[str], sets: list[LayerSet], seeds: list[int], num_layers: int) -> dict[str, list[int]]:
+    """Each set's seeds, by name: every seed for the sets ``specs`` names (or for all when ``specs`` is empty),
+    the first seed for the others. Raises ValueError naming every spec that is not one of ``sets``."""
+    names = [s.name for s in sets]
+    multi = set()
+    bad = []
+    for spec in specs:
+        try:
+            name = parse_set(spec, num_layers)[0]
+        except ValueError:
+            name = None
+        if name in names:
+            multi.add(name)
+        else:
+            bad.append(spec)
+    if bad:
+        raise ValueError(f"--multi-seed-sets {bad}: not in --sets ({', '.join(names)})")
+    return {n: list(seeds) if not specs or n in multi else list(seeds[:1]) for n in names}
+
+
+def plan_seeds(plan: dict) -> dict[str, list[int]]:
+    """Each planned set's seeds, by name (a plan.json without per-set seeds: every set gets every seed)."""
+    return {s["name"]: list(s.get("seeds", plan["seeds"])) for s in plan["sets"]}
+
+
 def set_entropy(selector: Selector, layers: tuple[int, ...]) -> float:
     """The entropy ``Selector.select`` reports for a set (same aggregate)."""
     if selector.cfg.aggregate == "mean-block":
@@ -177,6 +209,7 @@ def make_plan(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, run_dir:
     """Select every set on the finished analysis in ``run_dir`` -> the plan (plan.json's dict)."""
     selector = Selector(SelectConfig(run=str(Path(run_dir).resolve())))  # a clear error if the run is not finished
     sets = resolve_sets(cfg.sets, selector)
+    seeds = set_seeds(cfg.multi_seed_sets, sets, cfg.seeds, selector.run.num_layers)
     man = Path(run_dir) / "manifest.json"
     return {
         "format": FORMAT,
@@ -184,7 +217,7 @@ def make_plan(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, run_dir:
         "run_model": read_json(man).get("model") if man.is_file() else None,
         "num_layers": selector.run.num_layers,
         "block": selector.run.block,
-        "sets": [s.to_json() for s in sets],
+        "sets": [{**s.to_json(), "seeds": seeds[s.name]} for s in sets],
         "seeds": list(cfg.seeds),
         "cache_layers": sorted({l for s in sets for l in s.layers}),
         "settings": plan_settings(cfg, fcfg, tcfg, selector),
@@ -214,7 +247,7 @@ def _diff(old, new, path: str = "") -> list[str]:
 def plan_differences(old: dict, new: dict) -> list[str]:
     """What a rerun changed that its finished drafts and benchmarks depend on (empty: it may continue).
 
-    Sets and seeds may be added or dropped; a set that keeps its name must keep its layers.
+    Sets and seeds (a set's too) may be added or dropped; a set that keeps its name must keep its layers.
     """
     diffs = _diff(old.get("settings", {}), new["settings"])
     if old.get("model") != new["model"]:
@@ -244,4 +277,4 @@ def write_plan(study_dir: str | Path, plan: dict, restart: bool = False) -> Path
 
 
 __all__ = ["DEFAULT_SETS", "PLAN", "LayerSet", "StudyConfig", "layer_sets", "make_plan", "parse_set",
-           "plan_differences", "resolve_sets", "set_slug", "write_plan"]
+           "plan_differences", "plan_seeds", "resolve_sets", "set_seeds", "set_slug", "write_plan"]

@@ -4,8 +4,8 @@ Step by step (STUDY_DIR layout in docs/INTERFACES.md):
 1. Target features, once, for the union of every set's layers (``elsi.draft.features``).
 2. The baseline: plain decoding and transformers ``generate`` on the study's questions, once
    (``bench/baseline.json``).
-3. Per set and seed: train the draft (``drafts/<set>-s<seed>/``), then benchmark it with
-   speculative decoding only (``bench/<set>-s<seed>.json``).
+3. Per set and each of its seeds (plan.json): train the draft (``drafts/<set>-s<seed>/``), then
+   benchmark it with speculative decoding only (``bench/<set>-s<seed>.json``).
 4. ``study.json`` and ``study.md`` (``elsi.study.summary``).
 
 Resumable: a draft whose ``training.json`` says complete and a benchmark file that exists are
@@ -32,7 +32,7 @@ from elsi.draft.train import TRAINING, TrainConfig, train_draft
 from elsi.draft.train import Progress as TrainProgress
 from elsi.models.load import Target
 from elsi.specbench.runner import Answer, machine_info, run_bench
-from elsi.study.plan import PLAN, LayerSet, StudyConfig, layer_sets, write_plan
+from elsi.study.plan import PLAN, LayerSet, StudyConfig, layer_sets, plan_seeds, write_plan
 from elsi.study.summary import study_markdown, summarize_study
 
 DRAFTS = "drafts"
@@ -112,8 +112,8 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
     if target.num_layers != plan["num_layers"]:
         raise ValueError(f"the target has N = {target.num_layers} layers, the analysis in {plan['settings']['run']} "
                          f"N = {plan['num_layers']}: analyze this model first (--run)")
-    sets, seeds = layer_sets(plan), plan["seeds"]
-    n = 3 + 2 * len(sets) * len(seeds)
+    sets, seeds = layer_sets(plan), plan_seeds(plan)
+    n = 3 + 2 * sum(len(seeds[s.name]) for s in sets)
     (study_dir / BENCH).mkdir(parents=True, exist_ok=True)
 
     # Step 1: the target's features for every set's layers, once.
@@ -130,11 +130,11 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
         res = run_bench(target, None, cfg.bench_config(fcfg.model, baseline=True), on_answer=hooks.bench)
         write_json(base_path, _bench_record(res, set=None, seed=None, draft=None))
 
-    # Step 3: one draft per set and seed, then its benchmark.
+    # Step 3: one draft per set and each of its seeds, then its benchmark.
     i = 2
     benches: dict[tuple[str, int], dict] = {}
     for s in sets:
-        for seed in seeds:
+        for seed in seeds[s.name]:
             out = draft_dir(study_dir, s, seed)
             i += 1
             what = f"{s.name} {list(s.layers)} seed {seed}"

@@ -3,14 +3,16 @@
 Definitions (DESIGN.md, "Speculative decoding"):
 - τ of a draft on a group of answers = accepted tokens / target steps, pooled over all the
   group's steps (Spec-Bench's rule); "all" pools every subtask.
-- A set's τ = the mean over its seeds' drafts; the seed-to-seed spread is their min-max range.
+- A set's τ = the mean over its seeds' drafts (plan.json gives each set its seeds: every
+  ``--seeds`` for the ``--multi-seed-sets``, the first for the others); the seed-to-seed spread
+  is their min-max range, measured only where a set has more than one seed.
 - Δ% vs eagle3 (eagle2) = 100 (τ_set / τ_eagle3 - 1), on τ all.
 - Speed-up vs plain of an answer = its tokens/s over the tokens/s of the study's plain answer
   to the same question at the same temperature (``bench/baseline.json``); mean over answers.
 - Spearman's ρ between set entropy and τ all, across sets (average ranks for ties).
 - Bootstrap: the Spec-Bench questions are resampled with replacement (``bootstrap`` times,
   fixed seed; the same resamples for every set, seed and condition); each resample gives every
-  set's pooled τ (mean over seeds), hence ρ and each gap; intervals = 2.5 and 97.5 percentiles.
+  set's pooled τ (mean over its seeds), hence ρ and each gap; intervals = 2.5 and 97.5 percentiles.
 
 Conditions: every (temperature, tree size) of the study, and "all" pooling them.
 """
@@ -21,6 +23,8 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from elsi.study.plan import plan_seeds
 
 REFERENCES = ("eagle3", "eagle2")  # the defaults a study compares against
 SELECTED = ("elsi", "elsi-c", "exhaustive")  # methods whose sets the entropy criterion chose
@@ -138,16 +142,21 @@ def _pooled_tau(w: np.ndarray, acc: np.ndarray, steps: np.ndarray) -> np.ndarray
     return np.where(s > 0, (w @ acc) / np.where(s > 0, s, 1.0), np.nan)
 
 
-def summarize_condition(sets: list[dict], seeds: list[int], stats: dict[tuple[str, int], dict],
+def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: dict[tuple[str, int], dict],
                         weights: np.ndarray | None, temperature, tree_nodes) -> dict:
-    """Rows (one per set), Spearman's ρ between entropy and τ all, and the selected sets' gaps."""
+    """Rows (one per set), Spearman's ρ between entropy and τ all, and the selected sets' gaps.
+
+    ``seeds``: each set's seeds, by name (sets may have different numbers); ``stats``: ``draft_stats``
+    of every (set name, seed).
+    """
     rows, boot = [], {}
     for s in sets:
-        per = [stats[(s["name"], seed)] for seed in seeds]
+        per = [stats[(s["name"], seed)] for seed in seeds[s["name"]]]
         taus = [p["tau_all"] for p in per if p["tau_all"] is not None]
         subs = list(per[0]["tau"])
         row = {
             "name": s["name"], "method": s["method"], "layers": s["layers"], "entropy": s["entropy"],
+            "seeds": list(seeds[s["name"]]),
             "tau": {k: _mean([p["tau"][k] for p in per if p["tau"][k] is not None]) for k in subs},
             "tau_all": _mean(taus), "tau_seeds": [p["tau_all"] for p in per],
             "tau_min": min(taus) if taus else None, "tau_max": max(taus) if taus else None,
@@ -203,7 +212,8 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
                     seed: int = 0) -> dict:
     """study.json's dict from the plan, every draft's benchmark (keyed (set name, seed)) and the baseline's."""
     bench = plan["settings"]["bench"]
-    sets, seeds = plan["sets"], plan["seeds"]
+    seeds = plan_seeds(plan)
+    sets = [{**s, "seeds": seeds[s["name"]]} for s in plan["sets"]]
     base = [a for a in baseline["answers"] if a["method"] == "plain"]
     plain = {(a["question_id"], a["temperature"]): a for a in base}
     hf = {(a["question_id"], a["temperature"]): a for a in baseline["answers"] if a["method"] == "hf_generate"}
@@ -214,7 +224,7 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
     out = []
     for t, n in conditions:
         stats = {(s["name"], sd): draft_stats(benches[(s["name"], sd)]["answers"], qids, subtask_of, t, n, plain, hf)
-                 for s in sets for sd in seeds}
+                 for s in sets for sd in seeds[s["name"]]}
         out.append(summarize_condition(sets, seeds, stats, weights, t, n))
     speeds = []
     for t in bench["temperature"]:
@@ -223,7 +233,7 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
                        "hf_tokens_per_s": _mean([_tps(a) for a in hf.values() if a["temperature"] == t])})
     study = {
         "model": plan["model"], "run": plan["settings"]["run"], "num_layers": plan["num_layers"],
-        "sets": sets, "seeds": seeds, "subtasks": list(dict.fromkeys(subtask_of.values())),
+        "sets": sets, "seeds": plan["seeds"], "subtasks": list(dict.fromkeys(subtask_of.values())),
         "questions": len(qids), "bootstrap": {"resamples": bootstrap, "seed": seed, "unit": "Spec-Bench question"},
         "settings": plan["settings"], "baseline": speeds, "conditions": out,
     }
@@ -243,6 +253,17 @@ def _f(x, digits: int = 3, signed: bool = False) -> str:
 
 def _layers(layers) -> str:
     return "[" + ", ".join(map(str, layers)) + "]"
+
+
+def seeds_phrase(study: dict) -> str:
+    """The study's seeds in words: ``seeds [0, 1]`` when every set has them all, else per group of sets,
+    ``seeds [0, 1] for eagle3, elsi:3; [0] for eagle2, elsi:2``."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for s in study["sets"]:
+        groups.setdefault(tuple(s.get("seeds", study["seeds"])), []).append(s["name"])
+    if len(groups) == 1:
+        return f"seeds {list(next(iter(groups)))}"
+    return "seeds " + "; ".join(f"{list(k)} for {', '.join(v)}" for k, v in groups.items())
 
 
 def gap_sentence(g: dict) -> str:
@@ -319,10 +340,10 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 
 NOTE = ("τ = accepted tokens per target step (the drafted tokens accepted + the target's own), pooled over all "
         "steps of a subtask (Spec-Bench's rule); τ all pools every subtask. A set's τ is the mean over its seeds; "
-        "\"τ seeds min–max\" is the seed-to-seed spread. Δ% = 100 (τ all / τ all of the default − 1). tok/s "
-        "and the speed-up against plain decoding are means over answers; the plain answers were timed once, in "
-        "bench/baseline.json, so machine load between runs shows in them. H = the set's matrix entropy as `elsi "
-        "select` reports it.")
+        "\"τ seeds min–max\" is the seed-to-seed spread (\"1 seed\": not measured). Δ% = 100 (τ all / τ all of "
+        "the default − 1). tok/s and the speed-up against plain decoding are means over answers; the plain answers "
+        "were timed once, in bench/baseline.json, so machine load between runs shows in them. H = the set's matrix "
+        "entropy as `elsi select` reports it.")
 
 
 def _budget(train: dict) -> str:
@@ -337,7 +358,7 @@ def study_markdown(study: dict) -> str:
     b, f, t = s["bench"], s["features"], s["train"]
     parts = [
         f"# Layer-set study: {study['model']}", "",
-        f"Sets selected on `{study['run']}`; one draft per set and seed (seeds {study['seeds']}) trained on "
+        f"Sets selected on `{study['run']}`; one draft per set and seed ({seeds_phrase(study)}) trained on "
         f"{f['data']} ({f['samples']} conversations, ≤ {f['max_tokens']} tokens), {_budget(t)} each, "
         f"same hyper-parameters; Spec-Bench {', '.join(study['subtasks'])} ({study['questions']} questions), "
         f"≤ {b['max_new_tokens']} new tokens per turn, tree depth {b['depth']}, top-k {b['top_k']}.", "",
@@ -361,4 +382,4 @@ def study_markdown(study: dict) -> str:
 
 
 __all__ = ["condition_table", "gap_sentence", "md_table", "rankdata", "resample_weights", "spearman",
-           "spearman_line", "study_markdown", "summarize_study", "verdict"]
+           "seeds_phrase", "spearman_line", "study_markdown", "summarize_study", "verdict"]
