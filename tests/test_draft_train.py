@@ -208,6 +208,37 @@ def test_regenerate_writes_the_targets_own_answers(target, tmp_path):
         assert got == want
 
 
+def test_regen_turns_keeps_the_first_turns_and_the_reply_mask_follows(target, tmp_path):
+    from conftest import WORDS
+
+    from elsi.data import Sample, tokenize
+    from elsi.data.conversations import assistant_mask
+    from elsi.draft.features import regenerate_batch
+
+    turns = [("user", " ".join(WORDS[:5])), ("assistant", "not the target"), ("user", " ".join(WORDS[5:9])),
+             ("assistant", "nor this")]
+    sample = Sample("c0", tuple(turns))
+    one = regenerate_batch(target, [sample], max_tokens=200, max_new=6, turns=1)[0]
+    both = regenerate_batch(target, [sample], max_tokens=200, max_new=6, turns=0)[0]
+    assert [r for r, _ in one.messages] == ["user", "assistant"]
+    assert [r for r, _ in both.messages] == ["user", "assistant", "user", "assistant"]
+    assert one.messages[1] == both.messages[1] and one.messages[1][1] != "not the target"
+    # The cached reply flags: position t is scored when token t+1 belongs to an assistant reply.
+    recs = [{"id": "c0", "conversations": [{"from": "human" if r == "user" else "gpt", "value": c}
+                                           for r, c in turns]}]
+    path = tmp_path / "conv.jsonl"
+    path.write_text("\n".join(json.dumps({**recs[0], "id": f"c{i}"}) for i in range(2)))
+    cfg = FeatureConfig(model="tiny", data=str(path), samples=2, max_tokens=200, regenerate=True, regen_max_new=6,
+                        regen_turns=1, features_dir=str(tmp_path / "f"))
+    store = build_features(target, load_dataset(str(path)), cfg, (2,))
+    got = store.sample(0, [0])
+    ids = tokenize(one, target.tokenizer, 200)
+    mask = assistant_mask(one, target.tokenizer, ids)
+    assert got["ids"].tolist() == ids
+    assert got["reply"].tolist() == mask[1:] + mask[-1:]
+    assert 0 < int(got["reply"].sum()) < len(ids)
+
+
 def test_soft_labels_are_the_full_softmax_restricted_and_renormalised(target):
     from elsi.draft.train import LabelHead
 

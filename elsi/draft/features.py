@@ -49,7 +49,8 @@ class FeatureConfig:
     samples: int = opt(600, "number of conversations (train + held-out); ~500k tokens, about what 20 minutes "
                             "of CPU training can use")
     max_tokens: int = opt(1024, "tokens per conversation (longer ones are cut)")
-    seed: int = opt(0, "seed of the sample order, the split and the draft's initialisation")
+    seed: int = opt(0, "seed of the sample order; train-draft also draws the held-out split and the draft's "
+                            "initialisation from it (elsi study: from --seeds)")
     regenerate: bool = opt(False, "let the target write the assistant turns itself (greedy), as EAGLE3 does")
     regen_max_new: int = opt(256, "with --regenerate: most new tokens per assistant turn")
     regen_turns: int = opt(0, "with --regenerate: keep only the first this many turns, each answered by the target "
