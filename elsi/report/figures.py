@@ -11,6 +11,7 @@ diverging map for heatmaps (all colour-blind safe).
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -416,9 +417,10 @@ def study_tau_entropy(study: dict, path: str | Path) -> Path:
         ax.margins(x=0.15, y=0.15)
     for ax in list(axes.flat)[len(conds):]:
         ax.axis("off")
+    note = textwrap.fill(f"small points: one draft per seed, {seeds_phrase(study)} (line: their range); "
+                         "large marks: the set's mean", width=110)
     fig.suptitle(f"{Path(study['model']).name}: τ of the trained drafts against the entropy of their layer set\n"
-                 f"small points: one draft per seed, {seeds_phrase(study)} (line: their range); "
-                 "large marks: the set's mean")
+                 + note)
     return _save(fig, path)
 
 
