@@ -5,7 +5,9 @@ Definitions (DESIGN.md, "Speculative decoding"):
   group's steps (Spec-Bench's rule); "all" pools every subtask.
 - A set's τ = the mean over its seeds' drafts (plan.json gives each set its seeds: every
   ``--seeds`` for the ``--multi-seed-sets``, the first for the others); the seed-to-seed spread
-  is their min-max range, measured only where a set has more than one seed.
+  is their min-max range, measured only where a set has more than one seed. A gap between two
+  sets is compared with the largest such range of its condition (the study's seed noise,
+  whichever sets it was measured on).
 - Δ% vs eagle3 (eagle2) = 100 (τ_set / τ_eagle3 - 1), on τ all.
 - Speed-up vs plain of an answer = its tokens/s over the tokens/s of the study's plain answer
   to the same question at the same temperature (``bench/baseline.json``); mean over answers.
@@ -184,7 +186,9 @@ def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: di
         lo, hi = interval(rhos)
     spear = {"rho": _clean(rho), "ci_low": lo, "ci_high": hi, "sets": len(known),
              "resamples": 0 if weights is None else int(weights.shape[0])}
-    # The selected sets against the defaults.
+    # The selected sets against the defaults. The noise scale of every gap is the largest
+    # seed-to-seed range measured in this condition (any set with more than one seed).
+    ranges = [x["tau_max"] - x["tau_min"] for x in rows if len(x["tau_seeds"]) > 1 and x["tau_max"] is not None]
     gaps = []
     for r in rows:
         if r["method"] not in SELECTED:
@@ -194,7 +198,6 @@ def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: di
                 continue
             b = by[ref]
             delta = r["tau_all"] - b["tau_all"]
-            ranges = [x["tau_max"] - x["tau_min"] for x in (r, b) if len(x["tau_seeds"]) > 1]
             spread = max(ranges) if ranges else None
             g_lo = g_hi = None
             if weights is not None:
