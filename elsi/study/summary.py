@@ -189,6 +189,7 @@ def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: di
     # The selected sets against the defaults. The noise scale of every gap is the largest
     # seed-to-seed range measured in this condition (any set with more than one seed).
     ranges = [x["tau_max"] - x["tau_min"] for x in rows if len(x["tau_seeds"]) > 1 and x["tau_max"] is not None]
+    spread = max(ranges) if ranges else None
     gaps = []
     for r in rows:
         if r["method"] not in SELECTED:
@@ -198,7 +199,6 @@ def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: di
                 continue
             b = by[ref]
             delta = r["tau_all"] - b["tau_all"]
-            spread = max(ranges) if ranges else None
             g_lo = g_hi = None
             if weights is not None:
                 g_lo, g_hi = interval(boot[r["name"]] - boot[ref])
