@@ -47,6 +47,15 @@ def _onehot_logits(table: dict[int, int], v: int = 10):
     return logits_of
 
 
+def rejection_chain(p, candidates, q, g) -> int:
+    """One output token: try ``candidates`` in turn with ``rejection_step``; none accepted -> draw from the residual."""
+    for c in candidates:
+        ok, p = rejection_step(p, c, q, g)
+        if ok:
+            return c
+    return int(torch.multinomial(p, 1, generator=g))
+
+
 def test_greedy_walk_paths():
     t = _tree()
     assert greedy_walk(t, _onehot_logits({0: 4, 1: 6, 3: 2})) == ([0, 1, 3], 2)  # accept all, bonus at the leaf
@@ -63,16 +72,7 @@ def test_rejection_step_point_mass_is_lossless():
     n = 20000
     counts = torch.zeros(5)
     for _ in range(n):
-        q = p
-        out = None
-        for c in cands:
-            ok, q = rejection_step(q, c, None, g)
-            if ok:
-                out = c
-                break
-        if out is None:
-            out = int(torch.multinomial(q, 1, generator=g))
-        counts[out] += 1
+        counts[rejection_chain(p, cands, None, g)] += 1
     assert chisquare(counts.numpy(), (p * n).numpy()).pvalue > 1e-3
 
 
@@ -84,17 +84,8 @@ def test_rejection_step_with_proposal_distribution_is_lossless():
     n = 20000
     counts = torch.zeros(5)
     for _ in range(n):
-        cur = p
-        out = None
-        for _k in range(2):
-            x = int(torch.multinomial(q, 1, generator=g))
-            ok, cur = rejection_step(cur, x, q, g)
-            if ok:
-                out = x
-                break
-        if out is None:
-            out = int(torch.multinomial(cur, 1, generator=g))
-        counts[out] += 1
+        cands = (int(torch.multinomial(q, 1, generator=g)) for _k in range(2))  # drawn as the chain asks
+        counts[rejection_chain(p, cands, q, g)] += 1
     assert chisquare(counts.numpy(), (p * n).numpy()).pvalue > 1e-3
     with pytest.raises(ValueError, match="token 0 has probability 0.0"):
         rejection_step(p, 0, torch.tensor([0.0, 1, 0, 0, 0]), g)
