@@ -1,4 +1,4 @@
-# The study of bench/results/study-smollm2 (issue 7): SmolLM2-135M, 2 CPU cores, ~80 minutes.
+# The study of bench/results/study-smollm2 (issue 7): SmolLM2-135M, 2 CPU cores, 76 minutes.
 # Features: the cache of bench/train_draft.py (384 target-written answers); see bench/results/README.md.
 set -e
 HF_HUB_OFFLINE=1 .venv/bin/elsi study --model smollm2-135m --data sharegpt --run runs/smollm2-135m --out runs/study-smollm2 \
