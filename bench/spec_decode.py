@@ -2,11 +2,11 @@
 vs both, a sweep of tree sizes, and where a speculative step's time goes.
 
     .venv/bin/python bench/spec_decode.py [--draft random|DRAFT_DIR] [--questions-per-subtask 2]
-        [--max-new-tokens 64] [--tree-nodes 8 16 30 60] [--shapes 6:10 4:4 5:1]
+        [--max-new-tokens 64] [--tree-nodes 8 16 30 60] [--shapes 6:10 4:4 5:1 2:2:1,3]
 
-``--shapes DEPTH:TOP_K ...``: tree shapes, each run at every ``--tree-nodes`` (``k = 1`` is
-chain drafting, where the node count is capped by the depth); the method of a run is labelled
-``spec d<depth> k<top_k>``.
+``--shapes DEPTH:TOP_K[:N,...] ...``: tree shapes, each run at every ``--tree-nodes`` or at its
+own node counts N (``k = 1`` is chain drafting, where the node count is capped by the depth);
+the method of a run is labelled ``spec d<depth> k<top_k>``.
 
 Writes bench/results/spec_decode.json (settings, versions, machine, per-run and per-subtask
 tau, tokens/s, speed-ups, ms per step by phase) and prints the ratios. Methods run interleaved
@@ -57,6 +57,21 @@ def forward_curve(runner: TargetRunner, sizes: list[int], context: int = 300, re
     return out
 
 
+def parse_shape(spec: str, default_nodes: list[int]) -> tuple[int, int, list[int]]:
+    """'DEPTH:TOP_K' or 'DEPTH:TOP_K:N1,N2' -> (depth, top_k, node counts); a chain caps N at its depth."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"bad --shapes entry {spec!r}: use DEPTH:TOP_K or DEPTH:TOP_K:N1,N2")
+    try:
+        depth, top_k = int(parts[0]), int(parts[1])
+        nodes = [int(n) for n in parts[2].split(",")] if len(parts) == 3 else list(default_nodes)
+    except ValueError:
+        raise SystemExit(f"bad --shapes entry {spec!r}: DEPTH, TOP_K and N are integers") from None
+    if top_k == 1:
+        nodes = [min(n, depth) for n in nodes]
+    return depth, top_k, sorted(set(nodes))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -78,13 +93,13 @@ def main() -> int:
     target = load_target(args.model)
     drafter, info = load_drafter(args.draft, target)
     runner = TargetRunner.from_target(target)
-    curve = forward_curve(runner, [1] + sorted(set(n + 1 for n in args.tree_nodes) | {5, 9, 17, 33}))
-    shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes]  # (depth, top_k)
+    shapes = [parse_shape(s, args.tree_nodes) for s in args.shapes]  # (depth, top_k, node counts)
+    sizes = {n for *_, ns in shapes for n in ns}
+    curve = forward_curve(runner, [1] + sorted({n + 1 for n in sizes} | {5, 9, 17, 33}))
     answers: list[Answer] = []
     cfg = None
-    for i, (depth, top_k) in enumerate(shapes):
+    for i, (depth, top_k, nodes) in enumerate(shapes):
         # One call per shape; the baselines (generate, plain) only in the first.
-        nodes = sorted({min(n, depth) for n in args.tree_nodes}) if top_k == 1 else args.tree_nodes
         c = BenchConfig(model=args.model, draft=args.draft, subtasks=args.subtasks,
                         questions_per_subtask=args.questions_per_subtask, max_new_tokens=args.max_new_tokens,
                         temperature=[0.0], tree_nodes=nodes, depth=depth, top_k=top_k, hf_generate=i == 0,
