@@ -221,6 +221,33 @@ def test_tiny_llama_eos_matches_generate(tiny):
     assert g.tokens == hf and g.stop == "eos"
 
 
+def test_eagle_session_commits_equal_the_teacher_forced_draft(tiny):
+    """Root logits after every commit (with tree rows fed and dropped in between) equal the
+    draft run once over the whole sequence with the target's features (row i predicts x_{i+2})."""
+    from elsi.draft import random_draft
+
+    r = TargetRunner.from_target(tiny)
+    draft = random_draft(tiny, [1, 2, 4], draft_vocab=200, seed=0).eval()
+    seq = torch.randint(3, r.vocab_size, (20,), generator=torch.Generator().manual_seed(1))  # (20,)
+    with torch.inference_mode():
+        _, feats = r.forward(seq, torch.arange(20), r.new_cache(), None, draft.layer_ids)  # (20, m·d)
+        n = 19
+        full, _ = draft(seq[1:][None], draft.fuse(feats[:n][None]), torch.arange(n)[None])  # (1, 19, V_d)
+        session = EagleDrafter(draft).start()
+        length = 7  # the prompt and the first token
+        got = session.commit(seq[:length], feats[: length - 1])
+        torch.testing.assert_close(got, full[0, length - 2], rtol=1e-4, atol=1e-4)
+        for accepted in (2, 1, 4, 1, 3):
+            # Draft a small tree below the root (two children, one grandchild), then drop it.
+            kids = session.expand(seq[:2], torch.tensor([-1, -1]), torch.eye(2, dtype=torch.bool), 1)  # (2, V_d)
+            assert kids.shape == (2, full.shape[-1])
+            session.expand(seq[2:3], torch.tensor([0]), torch.tensor([[True, False, True]]), 2)
+            # The step added `accepted` tokens (accepted drafts + bonus); features at the root and accepted rows.
+            got = session.commit(seq[length: length + accepted], feats[length - 1: length - 1 + accepted])
+            length += accepted
+            torch.testing.assert_close(got, full[0, length - 2], rtol=1e-4, atol=1e-4)
+
+
 def test_tiny_gemma3_greedy_equals_generate():
     """Sliding-window and full layers: dict masks over full-length caches; prompt > window."""
     t = make_tiny_gemma3(num_layers=3)
