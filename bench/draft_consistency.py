@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from elsi.data.spec_bench import load_questions
-from elsi.decode import TargetRunner, load_drafter
+from elsi.decode import EagleDrafter, TargetRunner, load_drafter
 from elsi.decode.engine import DecodeConfig, generate, stop_tokens
 from elsi.decode.tree import TreeConfig
 from elsi.models import load_target
@@ -66,7 +66,7 @@ def main() -> int:
     for q in load_questions(None, 1):
         prompt = encode_chat(target.tokenizer, [("user", q.turns[0])])
         log: list[tuple[int, int]] = []
-        live = type(drafter)(draft)
+        live = EagleDrafter(draft)  # a fresh drafter per question, its sessions recorded into this log
         live.start = recording(live, log)
         g = generate(runner, prompt, DecodeConfig(max_new_tokens=args.max_new_tokens), live,
                      TreeConfig(tree_nodes=1, depth=1, top_k=1), eos)

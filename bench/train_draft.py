@@ -88,6 +88,8 @@ def main() -> None:
         "train_seconds": rec["train_seconds"],
         "steps": rec["steps"],
         "epochs": rec["epochs"],
+        "heldout_probe_curve": rec["heldout_curve"],  # during training, on up to 16 held-out conversations
+        "train_curve_last": rec["curve"][-1] if rec["curve"] else None,  # running training loss and match
         "feature_tokens": store.manifest.get("tokens"),
         "feature_seconds": store.manifest.get("seconds"),
         "feature_tokens_per_s": (store.manifest.get("tokens") or 0) / max(1e-9, store.manifest.get("seconds") or 0),
