@@ -54,7 +54,9 @@ def test_names_and_shapes(target, tmp_path, layers):
     assert got == want
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == layers
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == layers
+    # SGLang and SpecForge read only eagle_config, in their numbering (the output of layer i = our id - 1)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in layers]
+    assert cfg["fc_norm"] is False
     assert cfg["draft_vocab_size"] == vd and cfg["vocab_size"] == v
     assert cfg["target_hidden_size"] == d and cfg["hidden_size"] == d
     assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLMEagle3"]

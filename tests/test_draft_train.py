@@ -93,6 +93,8 @@ def test_loss_falls_and_outputs_are_written(target, store, tmp_path):
     assert curve[-1]["acc"] > curve[0]["acc"]
     for name in ("model.safetensors", "config.json", "training.json"):
         assert (tmp_path / name).is_file()
+    # vLLM and SGLang load every *.safetensors at the top of a draft directory: only the draft's weights are there
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
     rec2 = json.loads((tmp_path / "training.json").read_text())
     assert rec2["heldout"]["depth"] == [1, 2, 3] and 0 <= rec2["heldout"]["match"][0] <= 1
     assert rec2["train_tokens_per_s"] > 0 and rec2["data"]["heldout_samples"] == 4
@@ -325,3 +327,28 @@ def test_feature_scale_is_inverse_rms(store):
     got = feature_scale(store, [2, 7], pos)
     aux = torch.cat([store.sample(i, pos)["aux"].float() for i in (2, 7)])  # (T, m·d)
     torch.testing.assert_close(got, 1.0 / aux.pow(2).mean(0).sqrt(), atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_autocast_training_tracks_float32_and_falls_back_where_bf16_is_emulated(target, store, tmp_path,
+                                                                                    monkeypatch):
+    import elsi.models.adapters as adapters
+    from elsi.draft.train import matmul_dtype
+
+    rec = {}
+    for dt in ("float32", "bfloat16"):
+        monkeypatch.setattr(adapters, "fast_bf16", lambda device: (True, "test: native"))
+        rec[dt] = train_draft(target, store, train_cfg(tmp_path / dt, train_dtype=dt, max_steps=30), 0,
+                              torch.device("cpu"))
+    assert rec["float32"]["train_matmul_dtype"] == "float32" and rec["bfloat16"]["train_matmul_dtype"] == "bfloat16"
+    l32 = [c["loss"] for c in rec["float32"]["curve"]]
+    l16 = [c["loss"] for c in rec["bfloat16"]["curve"]]
+    assert l16 != l32  # bf16 products really ran: the losses differ in the low bits ...
+    assert l16[-1] < 0.95 * l16[0] and l32[-1] < 0.95 * l32[0]  # ... the loss falls in both ...
+    assert all(abs(a - b) <= 0.01 * a for a, b in zip(l32, l16))  # ... and bf16 tracks float32 step by step
+    h32, h16 = rec["float32"]["heldout"]["match"][0], rec["bfloat16"]["heldout"]["match"][0]
+    assert abs(h32 - h16) <= 0.05
+    # where bf16 would be emulated: auto is float32, and an explicit bfloat16 warns and trains in float32
+    monkeypatch.setattr(adapters, "fast_bf16", lambda device: (False, "CPU: AMX tiles False, AVX512-BF16 False"))
+    assert matmul_dtype("auto", torch.device("cpu")) == (torch.float32, None)
+    dt, warning = matmul_dtype("bfloat16", torch.device("cpu"))
+    assert dt == torch.float32 and "emulated" in warning and "AVX512-BF16 False" in warning

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from math import comb
 
 import pytest
 
 from elsi.cli import main
-from elsi.select import SelectConfig, Selector, baseline, elsi_c_candidates, export_fragment
+from elsi.select import SelectConfig, Selector, baseline, elsi_c_candidates
 from elsi.select.search import SetScorer, beam_search, exhaustive_search
 from elsi.stats.analysis import GramRun
 
@@ -115,20 +114,3 @@ def test_score_rejects_bad_layers(tiny_run, capsys):
     assert "[99] out of range" in capsys.readouterr().err
     assert main(["score", "--run", str(tiny_run), "--layers", "2,x"]) == 2
     assert "'x' is not an id" in capsys.readouterr().err
-
-
-def test_export_numbering_per_runtime():
-    v = export_fragment((27, 2, 15), 30, "vllm")
-    assert v["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
-    for fmt in ("sglang", "specforge"):
-        f = export_fragment((2, 15, 27), 30, fmt)
-        assert f["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 14, 26], "use_aux_hidden_state": True}
-        assert "id - 1" in f["_elsi_note"]
-    with pytest.raises(ValueError, match=r"\[30\] cannot be exported"):
-        export_fragment((2, 30), 30, "vllm")
-    with pytest.raises(ValueError, match=r"\[0\] cannot be exported"):
-        export_fragment((0, 5), 30, "sglang")
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        export_fragment((2, 15), 30, "vllm")
-    assert any("hard-code 3" in str(x.message) for x in w)

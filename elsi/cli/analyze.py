@@ -9,9 +9,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from elsi.cli.common import Command, Runtime, is_main_process, print_json, table
-from elsi.collect.collector import CollectConfig, Progress, collect, existing_run
-from elsi.collect.store import read_json
+from elsi.cli.common import Command, Runtime, check_inputs, is_main_process, print_json, table
+from elsi.collect.collector import CollectConfig, Progress, collect, existing_run, grams_problem
+from elsi.collect.store import GRAMS, RunError, read_json, tensors_checksum
 from elsi.config import opt
 from elsi.data import load_dataset
 from elsi.models import load_target
@@ -29,33 +29,58 @@ def run_dir_for(out: str, model: str) -> Path:
     return Path(out) if out else Path("runs") / Path(model).name.removesuffix(".gguf")
 
 
+def analysis_problem(run_dir: Path, acfg: AnalysisConfig) -> str | None:
+    """Why ``run_dir/analysis.json`` must be computed (again) from the Gram tensor, or None when it is current."""
+    path = run_dir / ANALYSIS
+    if not path.exists():
+        return "no analysis.json yet"
+    try:
+        prev = read_json(path)
+    except RunError as err:
+        return str(err)
+    settings = prev.get("settings", {})
+    if any(settings.get(k) != v for k, v in acfg.__dict__.items()):
+        return "other analysis settings"
+    if prev.get("grams_sha256") != tensors_checksum(run_dir / GRAMS):
+        return "computed from another Gram tensor"
+    return None
+
+
 def analyze(ccfg: CollectConfig, acfg: AnalysisConfig, dest: AnalyzeOutput, rt: Runtime) -> int:
+    check_inputs(ccfg.model, ccfg.data)  # a bad --model or --data fails here, before anything loads
     device, dtype = rt.setup()
     run_dir = run_dir_for(dest.out, ccfg.model)
+    main = is_main_process()
     man = existing_run(run_dir, ccfg)
-    if man is None or man.get("status") != "complete":
+    wrote: list[Path] = []
+    # Every rank decides alike (collect() has barriers); collect() warns and starts over on a damaged Gram tensor.
+    problem = grams_problem(run_dir) if man is not None and man.get("status") == "complete" else None
+    if man is None or man.get("status") != "complete" or problem:
         dataset = load_dataset(ccfg.data)
         target = load_target(ccfg.model, device, dtype, rt.trust_remote_code, rt.device_map or None)
         bar = tqdm(total=ccfg.samples, desc="collect", unit="sample", file=sys.stderr, dynamic_ncols=True,
-                   disable=not is_main_process())
+                   disable=not main)
 
         def show(p: Progress) -> None:
             if bar.n == 0 and p.resumed:
-                bar.write(f"resuming: {p.resumed} samples already collected in {run_dir}")
+                bar.write(f"resuming: {p.resumed} samples already collected in {run_dir}", file=sys.stderr)
             bar.n = p.samples_done
             bar.set_postfix_str(f"{p.tokens_seen / max(p.elapsed_s, 1e-9):.0f} tok/s", refresh=True)
 
         man = collect(target, dataset, ccfg, run_dir, on_progress=show)
         bar.close()
-    if not is_main_process():
+        wrote += [run_dir / GRAMS, run_dir / "manifest.json"]
+    if not main:
         return 0  # rank 0 merged the shards; it computes and prints the statistics
-    old = run_dir / ANALYSIS
-    prev = read_json(old).get("settings", {}) if old.exists() else {}
-    if not old.exists() or any(prev.get(k) != v for k, v in acfg.__dict__.items()):
+    why = analysis_problem(run_dir, acfg)
+    if why:
+        if (run_dir / ANALYSIS).exists():
+            print(f"elsi analyze: {run_dir / ANALYSIS}: {why}; computing it again", file=sys.stderr)
         print("computing statistics from the Gram tensor ...", file=sys.stderr)
         res = analyze_run(run_dir, acfg)
+        wrote.append(run_dir / ANALYSIS)
     else:
-        res = read_json(old)
+        res = read_json(run_dir / ANALYSIS)
     c = man["counts"]
     print(
         f"{run_dir}: {c['samples_used']} samples, {c['tokens_seen']} tokens seen, {c['tokens_kept']} kept, "
@@ -69,7 +94,10 @@ def analyze(ccfg: CollectConfig, acfg: AnalysisConfig, dest: AnalyzeOutput, rt: 
     ]
     print(table(rows, ["layer", "entropy", "std", "normalized", "T(l)"]))
     print(f"boundaries (T peaks): {res['boundaries']}; compartments: {res['compartments']}")
-    print(f"wrote {run_dir / 'grams.safetensors'}, {run_dir / 'manifest.json'}, {run_dir / ANALYSIS}")
+    if wrote:
+        print("wrote " + ", ".join(map(str, wrote)))
+    else:
+        print(f"up to date: {run_dir} (Gram tensor checked against its checksum; nothing recomputed)")
     return 0
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 
@@ -59,7 +60,25 @@ class Runtime:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+        if self.dtype == "bfloat16":
+            from elsi.models.adapters import fast_bf16
+
+            fast, why = fast_bf16(device)
+            if not fast:
+                warnings.warn(f"--dtype bfloat16: {why}; PyTorch emulates bf16 products there, several times slower "
+                              "than float32 (use --dtype float32 unless memory is the limit)", stacklevel=2)
         return device, DTYPES[self.dtype]
+
+
+def check_inputs(model: str | None = None, data: str | None = None) -> None:
+    """Validate ``--model`` and ``--data`` before anything heavy loads: one clear error per bad value."""
+    from elsi.data import data_path
+    from elsi.models.load import check_model
+
+    if model is not None:
+        check_model(model)
+    if data is not None:
+        data_path(data)
 
 
 def is_main_process() -> bool:

@@ -12,6 +12,8 @@ import torch
 from elsi.cli.common import Command, Runtime, print_json, table
 from elsi.config import opt
 from elsi.decode import DecodeConfig, TargetRunner, TreeConfig, generate, load_drafter, stop_tokens
+from elsi.decode.drafters import check_draft_spec
+from elsi.engines.vllm import VllmBenchConfig
 from elsi.models import DEFAULT_MODEL, load_target
 from elsi.specbench import BenchConfig, encode_chat, machine_info, run_bench, summary_rows
 
@@ -31,18 +33,29 @@ class GenerateArgs:
 
 
 def _prompt_text(args: GenerateArgs) -> str:
-    if bool(args.prompt) == bool(args.prompt_file):
-        raise ValueError("give exactly one of --prompt and --prompt-file")
+    """The user message, checked before anything loads: exactly one non-empty source."""
+    if args.prompt and args.prompt_file:
+        raise ValueError("give exactly one of --prompt and --prompt-file, not both")
     if args.prompt_file:
         path = Path(args.prompt_file)
         if not path.is_file():
             raise FileNotFoundError(f"prompt file not found: {path}")
-        return path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"prompt file {path} is not UTF-8 text ({err})") from err
+        if not text.strip():
+            raise ValueError(f"prompt file {path} is empty: write the user message into it")
+        return text
+    if not args.prompt.strip():
+        raise ValueError(f"the prompt is empty (--prompt {args.prompt!r}): give exactly one of --prompt and "
+                         "--prompt-file with the user message")
     return args.prompt
 
 
 def generate_cmd(args: GenerateArgs, dcfg: DecodeConfig, tree: TreeConfig, rt: Runtime) -> int:
     text = _prompt_text(args)
+    check_draft_spec(args.draft, args.model, rt.trust_remote_code)  # a draft for another target fails before loading
     device, dtype = rt.setup()
     target = load_target(args.model, device, dtype, rt.trust_remote_code)
     drafter, info = load_drafter(args.draft, target, args.seed)
@@ -62,7 +75,51 @@ def generate_cmd(args: GenerateArgs, dcfg: DecodeConfig, tree: TreeConfig, rt: R
     return 0
 
 
-def bench_cmd(cfg: BenchConfig, rt: Runtime) -> int:
+def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime) -> int:
+    """``elsi bench --engine vllm``: every check that needs no model comes first."""
+    from elsi.draft.model import read_draft_config
+    from elsi.engines import check_for_engine
+    from elsi.engines.vllm import agreement_rows, engine_rows, run_vllm_bench, vllm_python, write_results
+    from elsi.models import model_shape
+
+    python = vllm_python()
+    if cfg.draft in ("random", "target"):
+        raise ValueError(f"--engine vllm serves a draft directory, not --draft {cfg.draft}")
+    if cfg.draft:
+        n, d = model_shape(cfg.model, rt.trust_remote_code)
+        check_for_engine(read_draft_config(cfg.draft, n, d).layer_ids, n, "vllm")
+        extra = sorted(p.name for p in Path(cfg.draft).glob("*.safetensors") if p.name != "model.safetensors")
+        if extra:
+            raise ValueError(f"--draft {cfg.draft} holds {extra} besides model.safetensors: vLLM loads every "
+                             "*.safetensors of a draft directory; move them out")
+    device, dtype = rt.setup()
+    if dtype != torch.float32:
+        raise ValueError(f"--engine vllm compares both engines in float32, got --dtype {rt.dtype}")
+    target = load_target(cfg.model, device, dtype, rt.trust_remote_code)
+
+    def show(what: str, done: int, total: int) -> None:
+        print(f"\r{what}: [{done}/{total}]", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+    res = run_vllm_bench(target, cfg.draft or None, cfg, vcfg, threads=rt.threads, on_answer=show)
+    from elsi.collect.collector import package_versions
+
+    res = {"command": "elsi bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "elsi bench",
+           "draft": cfg.draft or None, "vllm_python": str(python), "versions": package_versions(),
+           "machine": machine_info(), **res}
+    header, rows = engine_rows(res)
+    print(table(rows, header))
+    if res["tau_agreement"]:
+        header, rows = agreement_rows(res)
+        print(table(rows, header))
+    if cfg.out:
+        print(f"wrote {write_results(res, cfg.out)}")
+    return 0
+
+
+def bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime) -> int:
+    check_draft_spec(cfg.draft, cfg.model, rt.trust_remote_code)  # a draft for another target fails before loading
+    if vcfg.engine == "vllm":
+        return vllm_bench_cmd(cfg, vcfg, rt)
     device, dtype = rt.setup()
     target = load_target(cfg.model, device, dtype, rt.trust_remote_code)
     drafter, info = load_drafter(cfg.draft, target, cfg.seed)
@@ -93,5 +150,5 @@ COMMANDS = [
     Command("generate", "answer one prompt with lossless tree speculative decoding (or plainly, without --draft)",
             (GenerateArgs, DecodeConfig, TreeConfig, Runtime), generate_cmd),
     Command("bench", "Spec-Bench: tau per subtask and speed-ups against plain decoding and transformers generate",
-            (BenchConfig, Runtime), bench_cmd),
+            (BenchConfig, VllmBenchConfig, Runtime), bench_cmd),
 ]

@@ -4,26 +4,31 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from elsi.cli.common import Command, Runtime, is_main_process, print_json, table
+from elsi.cli.common import Command, Runtime, check_inputs, is_main_process, print_json, table
 from elsi.data import load_dataset
 from elsi.draft.evaluate import EvalConfig, evaluate_draft, greedy_answers, trained_depth
 from elsi.draft.features import FeatureConfig, Progress as FeatureProgress, build_features, parse_layers
 from elsi.draft.model import Eagle3Draft
 from elsi.draft.train import Progress, TrainConfig, parse_duration, train_draft
+from elsi.engines import warn_engines
 from elsi.models import load_target
 
 
 def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
     """Under torchrun: rank 0 builds the feature cache, every rank trains its share (DDP), rank 0 prints."""
+    check_inputs(fcfg.model, fcfg.data)  # a bad --model or --data fails here, before anything loads
     device, dtype = rt.setup()
     main = is_main_process()
     torch.manual_seed(fcfg.seed)  # the one global seed (HF internals); the draft's own randomness is injected
     target = load_target(fcfg.model, device, dtype, rt.trust_remote_code)
     layers = parse_layers(tcfg.layers, target.num_layers)
+    if main:
+        warn_engines(layers, target.num_layers)  # per engine: would it serve this layer set as trained?
     dataset = load_dataset(fcfg.data)
 
     bar = tqdm(total=fcfg.samples, desc="target features", unit="sample", file=sys.stderr, dynamic_ncols=True,
@@ -48,7 +53,7 @@ def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
 
     def show(p: Progress) -> None:
         if p.note:
-            tbar.write(p.note)
+            tbar.write(p.note, file=sys.stderr)
             return
         if p.heldout_acc is not None:
             held[0] = p.heldout_acc
@@ -75,6 +80,10 @@ def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
 
 
 def evaluate(cfg: EvalConfig, rt: Runtime) -> int:
+    check_inputs(cfg.model)
+    if not (Path(cfg.draft) / "config.json").is_file():
+        raise FileNotFoundError(f"no draft in {cfg.draft} (config.json missing): train one with "
+                                f"`elsi train-draft --out {cfg.draft}`")
     device, dtype = rt.setup()
     target = load_target(cfg.model, device, dtype, rt.trust_remote_code)
     draft = Eagle3Draft.from_pretrained(cfg.draft, target.adapter.embed_tokens(target.model))

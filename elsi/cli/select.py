@@ -1,20 +1,16 @@
-"""``elsi select`` and ``elsi export``."""
+"""``elsi select``."""
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from elsi.cli.common import Command, print_json, table
-from elsi.config import opt
-from elsi.models import model_num_layers
-from elsi.select import FORMATS, SelectConfig, Selector, chosen_layers, export_fragment, save_selections, select_all
+from elsi.select import SelectConfig, Selector, save_selections, select_all
 from elsi.select.run import all_steps
-from elsi.stats.analysis import parse_layers
 
 
 def _fmt(v, spec=".4f"):
@@ -48,39 +44,7 @@ def select(cfg: SelectConfig) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class ExportArgs:
-    """A layer set and the runtime to write it for."""
-
-    layers: str = opt(help="layer ids (elsi numbering, e.g. 2,15,27), or 'chosen' with --run")
-    model: str = opt("smollm2-135m", "the target (to check ids against its N)")
-    format: str = opt("vllm", "runtime whose numbering to write", choices=FORMATS)
-    run: str = opt("", "run directory whose chosen selection --layers chosen refers to")
-    out: str = opt("", "write the fragment to this file (default: print)")
-
-
-def export(args: ExportArgs) -> int:
-    n = model_num_layers(args.model)
-    if args.layers == "chosen":
-        if not args.run:
-            raise ValueError("--layers chosen needs --run RUN_DIR")
-        layers = chosen_layers(args.run)
-    else:
-        layers = parse_layers(args.layers, n)
-    frag = export_fragment(tuple(layers), n, args.format, args.model)
-    text = json.dumps(frag, indent=1) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
-    print(f"note: {frag['_elsi_note']}", file=sys.stderr)
-    return 0
-
-
 COMMANDS = [
     Command("select", "choose a layer set from a finished run (ELSI, ELSI-C, exhaustive, baselines, or all)",
             (SelectConfig,), select),
-    Command("export", "write the draft-config fragment of a layer set for vLLM, SGLang or SpecForge",
-            (ExportArgs,), export),
 ]

@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from elsi.cli.analyze import run_dir_for
-from elsi.cli.common import Command, Runtime, table
+from elsi.cli.common import Command, Runtime, check_inputs, table
 from elsi.data import load_dataset
 from elsi.draft.features import FeatureConfig
 from elsi.draft.train import TrainConfig, parse_duration
@@ -74,6 +74,7 @@ class _Bars:
 
 
 def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
+    check_inputs(fcfg.model, fcfg.data)  # a bad --model or --data fails here, before anything loads
     device, dtype = rt.setup()
     run_dir = run_dir_for(cfg.run, fcfg.model)
     plan = make_plan(cfg, fcfg, tcfg, run_dir)  # selection first: a bad set is an error before the model loads

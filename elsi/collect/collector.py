@@ -7,7 +7,9 @@ the same command again continues from the shards and never counts a sample twice
 
 from __future__ import annotations
 
+import shutil
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -17,8 +19,9 @@ from pathlib import Path
 import torch
 
 from elsi.collect.grams import NORMALIZE, block_grams, blocks_of, filter_positions, kept_count, token_entropy
-from elsi.collect.store import GRAMS, MANIFEST, VARIANTS, RunError, ShardStore, read_json, save_tensors, write_json
-from elsi.data import Dataset, iter_tokenized
+from elsi.collect.store import (GRAMS, MANIFEST, VARIANTS, RunError, ShardStore, analyze_command, read_json,
+                                save_tensors, verify_tensors, write_json)
+from elsi.data import Dataset, data_fingerprint, iter_tokenized
 from elsi.config import opt
 from elsi.models import DEFAULT_MODEL, Target
 
@@ -77,23 +80,70 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def existing_run(run_dir: Path, cfg: CollectConfig) -> dict | None:
-    """The manifest of a run in ``run_dir`` (None if there is none); other settings are an error."""
+def write_manifest(run_dir: Path, man: dict) -> None:
+    """manifest.json, atomically, with its own checksum (and the command that rebuilds the run)."""
+    write_json(run_dir / MANIFEST, man, rebuild=f"delete {run_dir} and rebuild the run with "
+                                                f"`{analyze_command(run_dir, man.get('settings', {}))}`")
+
+
+def read_manifest(run_dir: Path) -> dict:
+    """``run_dir``'s manifest.json; RunError naming it when it is damaged."""
+    return read_json(run_dir / MANIFEST, fix=f"delete {run_dir} (or use another --out) and run `elsi analyze` again")
+
+
+def existing_run(run_dir: Path, cfg: CollectConfig, fingerprint: dict | None = None) -> dict | None:
+    """The manifest of a run in ``run_dir`` (None if there is none); other settings are an error.
+
+    The data is compared by content (``fingerprint``: {"size", "sha256"}, computed from
+    ``cfg.data`` when not given), not by path: the same file elsewhere is the same run, an edited
+    file is other data. A run that never finished a sample is not worth keeping: other settings
+    then start it over (None).
+    """
     path = run_dir / MANIFEST
     if not path.exists():
         return None
-    man = read_json(path)
+    man = read_manifest(run_dir)
     theirs = man.get("settings", {})
-    diff = {k: (theirs.get(k), v) for k, v in asdict(cfg).items() if theirs.get(k) != v}
+    mine = asdict(cfg)
+    diff = [f"{k}: run has {theirs.get(k)!r}, asked {v!r}" for k, v in mine.items()
+            if k != "data" and theirs.get(k) != v]
+    recorded = man.get("data_fingerprint")
+    if recorded is None:  # a run of an older elsi: its data is known by path only
+        if theirs.get("data") != cfg.data:
+            diff.append(f"data: run has {theirs.get('data')!r}, asked {cfg.data!r}")
+    else:
+        now = fingerprint or data_fingerprint(cfg.data)
+        if now != recorded:
+            diff.append(f"data: the run was collected from {theirs.get('data')!r} ({recorded['size']} bytes, sha256 "
+                        f"{recorded['sha256'][:12]}…), --data {cfg.data!r} has {now['size']} bytes, sha256 "
+                        f"{now['sha256'][:12]}… (other or edited data)")
     if diff:
-        what = ", ".join(f"{k}: run has {a!r}, asked {b!r}" for k, (a, b) in diff.items())
-        raise RunError(f"{run_dir} holds a run with other settings ({what}); use another --out")
+        if man.get("status") != "complete" and not ShardStore(run_dir).shards():
+            return None  # nothing finished under the old settings: nothing to lose
+        raise RunError(f"{run_dir} holds a run with other settings ({'; '.join(diff)}); use another --out")
     return man
 
 
-def start_manifest(run_dir: Path, cfg: CollectConfig, target: Target) -> dict:
-    """Create the manifest of a new run."""
+def grams_problem(run_dir: Path) -> str | None:
+    """Why ``run_dir``'s finished Gram tensor cannot be used (missing, truncated, checksum mismatch), or None."""
+    path = run_dir / GRAMS
+    if not path.is_file():
+        return f"{path} is missing"
+    try:
+        digest = verify_tensors(path, fix="collecting it again")
+    except RunError as err:
+        return str(err)
+    man = read_manifest(run_dir)
+    if digest is not None and man.get("grams_sha256") not in (None, digest):
+        return f"{path} is not the Gram tensor manifest.json records (sha256 {digest[:12]}… on disk, " \
+               f"{man['grams_sha256'][:12]}… recorded)"
+    return None
+
+
+def start_manifest(run_dir: Path, cfg: CollectConfig, target: Target, fingerprint: dict | None = None) -> dict:
+    """Create the manifest of a new run (removing the remains of an unusable one: a damaged Gram tensor)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / GRAMS).unlink(missing_ok=True)
     man = {
         "status": "collecting",
         "model": cfg.model,
@@ -102,10 +152,24 @@ def start_manifest(run_dir: Path, cfg: CollectConfig, target: Target) -> dict:
         "hidden_size": target.hidden_size,
         "layer_ids": "Hugging Face output_hidden_states: 0 = embeddings, l = output of decoder layer l-1",
         "settings": asdict(cfg),
+        "data_fingerprint": fingerprint or data_fingerprint(cfg.data),
         "versions": package_versions(),
     }
-    write_json(run_dir / MANIFEST, man)
+    write_manifest(run_dir, man)
     return man
+
+
+def _mark_failed(run_dir: Path, man: dict, err: BaseException) -> None:
+    """After an error: a run with finished samples is marked failed (the same command resumes it);
+    one without any is removed, so that nothing half-made stays behind."""
+    if ShardStore(run_dir).shards():
+        write_manifest(run_dir, {**man, "status": "failed", "error": f"{type(err).__name__}: {err}"})
+        return
+    (run_dir / MANIFEST).unlink(missing_ok=True)
+    if (run_dir / "shards").is_dir():
+        shutil.rmtree(run_dir / "shards")
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
 
 
 def _forward(target: Target, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -151,12 +215,20 @@ def collect(
     equals the single-process one.
     """
     rank, world = dist_info()
+    fingerprint = dataset.fingerprint or None
     if rank == 0:
-        man = existing_run(run_dir, cfg) or start_manifest(run_dir, cfg, target)
+        man = existing_run(run_dir, cfg, fingerprint)
+        if man is not None and man.get("status") == "complete":
+            problem = grams_problem(run_dir)
+            if problem:  # the shards are gone once merged: the run is collected again
+                warnings.warn(f"{problem}; collecting {run_dir} again")
+                man = None
+        if man is None:
+            man = start_manifest(run_dir, cfg, target, fingerprint)
     _barrier()
     if rank != 0:
-        man = existing_run(run_dir, cfg)
-    if man.get("status") == "complete" and (run_dir / GRAMS).exists():
+        man = read_manifest(run_dir)  # rank 0 has checked it
+    if man.get("status") == "complete":
         return man
     store = ShardStore(run_dir, rank)
     done = store.done()
@@ -214,10 +286,18 @@ def collect(
     except KeyboardInterrupt:
         flush()  # keep every finished sample
         raise
+    except Exception as err:  # the shards written so far stay; the manifest says what failed
+        if rank == 0:
+            _mark_failed(run_dir, man, err)
+        raise
     flush()
     _barrier()
     if rank == 0:
-        man = _finish(run_dir, man, store, skipped, dict(dataset.skipped))
+        try:
+            man = _finish(run_dir, man, store, skipped, dict(dataset.skipped))
+        except RunError as err:
+            _mark_failed(run_dir, man, err)
+            raise
     _barrier()
     return man if rank == 0 else read_json(run_dir / MANIFEST)
 
@@ -228,9 +308,10 @@ def _finish(run_dir: Path, man: dict, store: ShardStore, skipped: Counter, unusa
     if not records:
         raise RunError(f"no sample of {man['settings']['data']} has a full block of {man['settings']['block']} tokens")
     tensors = store.merge()
-    save_tensors(run_dir / GRAMS, tensors)
+    man.pop("error", None)
     man.update(
         status="complete",
+        grams_sha256=save_tensors(run_dir / GRAMS, tensors),
         samples=[{k: r[k] for k in ("index", "id", "tokens", "kept", "blocks", "blocks_unfiltered")} for r in records],
         counts={
             "samples_used": len(records),
@@ -245,6 +326,6 @@ def _finish(run_dir: Path, man: dict, store: ShardStore, skipped: Counter, unusa
     )
     if len(records) < man["settings"]["samples"]:
         man["counts"]["note"] = f"the data had only {len(records)} usable samples of {man['settings']['samples']} asked"
-    write_json(run_dir / MANIFEST, man)
+    write_manifest(run_dir, man)
     store.remove()
     return man

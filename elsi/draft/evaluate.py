@@ -69,7 +69,12 @@ def greedy_answers(target: Target, cfg: EvalConfig, on_progress: Callable[[int, 
     key = hashlib.sha256(json.dumps([target.source, cfg.subtasks, cfg.questions, cfg.max_new]).encode()).hexdigest()[:12]
     path = cache_dir() / "spec_bench_answers" / f"{key}.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        try:
+            cached = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            cached = None  # a damaged cache file: the answers are generated again
+        if isinstance(cached, list) and all(isinstance(a, dict) and {"prompt", "answer"} <= a.keys() for a in cached):
+            return cached
     tok, model = target.tokenizer, target.model
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
@@ -100,7 +105,9 @@ def greedy_answers(target: Target, cfg: EvalConfig, on_progress: Callable[[int, 
             if on_progress:
                 on_progress(done, sum(len(q.turns) for q in qs))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(path)  # whole or not at all
     return out
 
 
@@ -145,6 +152,9 @@ def evaluate_draft(target: Target, draft: Eagle3Draft, answers: list[dict], dept
         per[sub] = res
     pooled_agg = [{k: sum(p["_agg"][j][k] for p in per.values()) for k in per[next(iter(per))]["_agg"][j]}
                   for j in range(depth)]
+    if pooled_agg[0]["scored"] == 0:
+        raise ValueError(f"no answer token to score: the target's answers to the {len(answers)} question turns are "
+                         "empty; raise --max-new or check the questions")
     pooled = summarize(pooled_agg, sum(p["_runs"] for p in per.values()))
     for p in per.values():
         del p["_agg"], p["_runs"]
@@ -155,5 +165,9 @@ def trained_depth(path: str | Path) -> int:
     """The ``ttt`` a draft directory was trained with (7 when unknown)."""
     rec = Path(path) / TRAINING
     if rec.is_file():
-        return int(json.loads(rec.read_text())["settings"]["train"]["ttt"])
+        try:
+            return int(json.loads(rec.read_text())["settings"]["train"]["ttt"])
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{rec} is corrupt ({type(err).__name__}: {err}); pass --depth, or retrain the draft "
+                             "with the same `elsi train-draft` command") from err
     return 7

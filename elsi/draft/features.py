@@ -15,6 +15,13 @@ not by the number of samples: a longer run extends it and a shorter one reads it
 It stores the union of layers it was built with (``FeatureConfig.cache_layers``); asking a
 layer it does not hold is a clear error. Storage: shards of ``.npy`` files read by memory
 map, and ``features.json`` listing the samples (written after each shard: resumable).
+
+The data is part of the key by content (``data_identity``: its SHA-256), not by path, and the
+cache records the data's size and hash: an edited file is other data. Integrity:
+``features.json`` records every ``.npy`` file's size and SHA-256 when it is written. Opening a
+cache checks every size (cheap); each file's hash is checked the first time this process reads
+it (the mask files at the start of training, the others on first use), so a many-GB cache is
+hashed once per process, spread over the first epoch, not at every open.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +41,8 @@ import torch
 
 from elsi.collect.collector import dist_info
 from elsi.config import opt
-from elsi.data.conversations import Dataset, Sample, assistant_mask, iter_tokenized, render, tokenize
+from elsi.data.conversations import (Dataset, Sample, assistant_mask, data_identity, iter_tokenized, render,
+                                     tokenize)
 from elsi.models.load import Target, cache_dir
 
 MANIFEST = "features.json"
@@ -66,11 +75,14 @@ class FeatureConfig:
         if self.max_tokens < 4:
             raise ValueError(f"max_tokens must be >= 4, got {self.max_tokens}")
 
-    def key(self, target_source: str) -> str:
-        """Cache key: what determines the features, except the sample count and layers."""
-        what = {"format": FORMAT, "model": target_source, "data": self.data, "max_tokens": self.max_tokens,
+    def key(self, target_source: str, dtype: str = "float32") -> str:
+        """Cache key: what determines the features, except the sample count and layers (``dtype``: the
+        target's weights, which the features are computed in)."""
+        what = {"format": FORMAT, "model": target_source, "data": data_identity(self.data), "max_tokens": self.max_tokens,
                 "seed": self.seed, "regenerate": self.regenerate,
                 "regen_max_new": self.regen_max_new if self.regenerate else None}
+        if dtype != "float32":  # absent for float32, so the caches built before keep their key
+            what["dtype"] = dtype
         if self.regenerate and self.regen_turns:  # absent for 0, so caches of all turns keep their key
             what["regen_turns"] = self.regen_turns
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
@@ -112,20 +124,42 @@ class Progress:
     stage: str  # "regenerate" | "forward"
 
 
+ARRAYS = ("ids", "argmax", "final", "states", "mask")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 class FeatureStore:
-    """Read access to a feature cache directory (memory-mapped shards)."""
+    """Read access to a feature cache directory (memory-mapped shards, checked against features.json)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         if not (self.path / MANIFEST).is_file():
             raise FileNotFoundError(f"{self.path} holds no target features ({MANIFEST} missing)")
-        self.manifest = json.loads((self.path / MANIFEST).read_text())
+        self.rebuild = (f"delete {self.path} (or choose another --features-dir) and rerun the same command to "
+                        "rebuild it")
+        from elsi.collect.store import read_json
+
+        self.manifest = read_json(self.path / MANIFEST, fix=self.rebuild)  # checked against its own checksum
         if self.manifest.get("format") != FORMAT:
             raise ValueError(f"{self.path} holds features of format {self.manifest.get('format')}, this elsi reads "
                              f"format {FORMAT}: delete the directory (or choose another --features-dir) to rebuild it")
         self.layers: tuple[int, ...] = tuple(self.manifest["layers"])
         self.samples: list[dict] = self.manifest["samples"]
-        self._shards: dict[int, dict[str, np.ndarray]] = {}
+        self.files: dict[str, dict] = self.manifest.get("files", {})  # name -> {"size", "sha256"} (older: none)
+        self._arrays: dict[tuple[int, str], np.ndarray] = {}
+        for name, rec in self.files.items():  # sizes: every file, at every open
+            f = self.path / name
+            size = f.stat().st_size if f.is_file() else None
+            if size != rec["size"]:
+                what = "is missing" if size is None else f"has {size} bytes, features.json records {rec['size']}"
+                raise ValueError(f"feature cache file {f} {what} (truncated or damaged); {self.rebuild}")
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -145,16 +179,40 @@ class FeatureStore:
                 f"--cache-layers {','.join(map(str, want))}")
         return [self.layers.index(l) for l in layers]
 
+    def _array(self, k: int, name: str) -> np.ndarray:
+        """Shard ``k``'s array ``name`` (memory-mapped), its hash checked on first use in this process."""
+        if (k, name) not in self._arrays:
+            fname = f"shard{k:05d}.{name}.npy"
+            rec = self.files.get(fname)
+            if rec is not None:
+                got = file_sha256(self.path / fname)
+                if got != rec["sha256"]:
+                    raise ValueError(f"feature cache file {self.path / fname} is corrupt (sha256 {got[:12]}…, "
+                                     f"features.json records {rec['sha256'][:12]}…); {self.rebuild}")
+            try:
+                self._arrays[(k, name)] = np.load(self.path / fname, mmap_mode="r")
+            except (OSError, ValueError) as err:
+                raise ValueError(f"feature cache file {self.path / fname} cannot be read ({err}); "
+                                 f"{self.rebuild}") from err
+        return self._arrays[(k, name)]
+
     def _shard(self, k: int) -> dict[str, np.ndarray]:
-        if k not in self._shards:
-            self._shards[k] = {name: np.load(self.path / f"shard{k:05d}.{name}.npy", mmap_mode="r")
-                               for name in ("ids", "argmax", "final", "states", "mask")}
-        return self._shards[k]
+        return {name: self._array(k, name) for name in ARRAYS}
 
     def argmax(self, index: int) -> torch.Tensor:
         """The target's greedy next tokens of sample ``index`` (T,) int64."""
         s = self.samples[index]
-        return torch.from_numpy(self._shard(s["shard"])["argmax"][s["offset"]: s["offset"] + s["length"]].astype(np.int64))
+        return torch.from_numpy(self._array(s["shard"], "argmax")[s["offset"]: s["offset"] + s["length"]].astype(np.int64))
+
+    def scored_count(self, index: int, loss_on: str) -> int:
+        """How many depth-1 predictions of sample ``index`` are scored: positions 1..T-1 of ``sample``'s
+        ``reply`` (``loss_on='reply'``) or all T-1 of them (``'all'``)."""
+        s = self.samples[index]
+        if loss_on == "all":
+            return max(0, s["length"] - 1)
+        mask = self._array(s["shard"], "mask")[s["offset"]: s["offset"] + s["length"]].astype(bool)  # (T,)
+        reply = np.concatenate([mask[1:], mask[-1:]])  # (T,) as in ``sample``
+        return int(reply[1:].sum())
 
     def sample(self, index: int, layer_pos: Sequence[int]) -> dict[str, torch.Tensor]:
         """Sample ``index``: ids (T,) int64, argmax (T,) int64, final (T, d) fp16, aux (T, m·d) fp16,
@@ -175,8 +233,15 @@ class FeatureStore:
         }
 
 
+def target_dtype(target: Target) -> str:
+    """The dtype of the target's weights, e.g. "float32" or "bfloat16"."""
+    return str(next(target.model.parameters()).dtype).removeprefix("torch.")
+
+
 def features_dir_for(cfg: FeatureConfig, target: Target) -> Path:
-    return Path(cfg.features_dir) if cfg.features_dir else cache_dir() / "draft_features" / cfg.key(target.source)
+    if cfg.features_dir:
+        return Path(cfg.features_dir)
+    return cache_dir() / "draft_features" / cfg.key(target.source, target_dtype(target))
 
 
 @torch.no_grad()
@@ -278,6 +343,17 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
     path = features_dir_for(cfg, target)
     if (path / MANIFEST).is_file():
         store = FeatureStore(path)
+        recorded = store.manifest["settings"].get("data_fingerprint")
+        if recorded is not None and dataset.fingerprint and recorded != dataset.fingerprint:
+            raise ValueError(
+                f"the feature cache {path} was built from other data ({recorded['size']} bytes, sha256 "
+                f"{recorded['sha256'][:12]}…); --data {cfg.data} has {dataset.fingerprint['size']} bytes, sha256 "
+                f"{dataset.fingerprint['sha256'][:12]}… (other or edited data): delete the cache or choose another "
+                f"--features-dir")
+        built = store.manifest["settings"].get("dtype", "float32")
+        if built != target_dtype(target):
+            raise ValueError(f"the feature cache {path} was computed with the target in {built}, this run loads it in "
+                             f"{target_dtype(target)}: pass --dtype {built}, or choose another --features-dir")
         store.layer_index(layers)  # a clear error if the draft's layers are missing
         if cfg.cache_layers and set(want) - set(store.layers):
             store.layer_index(want)
@@ -291,7 +367,8 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
         man = {"format": FORMAT, "settings": {"model": cfg.model, "source": target.source, "data": cfg.data,
                                              "max_tokens": cfg.max_tokens, "seed": cfg.seed,
                                              "regenerate": cfg.regenerate, "regen_max_new": cfg.regen_max_new,
-                                             "regen_turns": cfg.regen_turns},
+                                             "regen_turns": cfg.regen_turns, "dtype": target_dtype(target),
+                                             "data_fingerprint": dataset.fingerprint or None},
                "layers": list(want), "hidden_size": target.hidden_size, "num_layers": target.num_layers,
                "samples": [], "skipped": {}, "next_order": 0, "complete_for": 0, "seconds": 0.0}
     path.mkdir(parents=True, exist_ok=True)
@@ -301,7 +378,6 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
     tokens = 0
     stream = iter_tokenized(dataset, target.tokenizer, cfg.max_tokens, cfg.seed)
     order_pos = 0
-    pending: list[tuple[Sample, list[int]]] = []  # (sample, ids) of the shard being built
     exhausted = False
 
     def raw_samples():
@@ -356,8 +432,14 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
                 tokens += len(ids)
             if on_progress:
                 on_progress(Progress(done + len(entries), cfg.samples, tokens, time.perf_counter() - t_begin, "forward"))
+        files = man.setdefault("files", {})
         for name, arrs in parts.items():
-            np.save(path / f"shard{shard:05d}.{name}.npy", np.concatenate(arrs, axis=0))
+            fname = f"shard{shard:05d}.{name}.npy"
+            tmp = path / (fname + ".tmp")
+            with open(tmp, "wb") as f:
+                np.save(f, np.concatenate(arrs, axis=0))
+            os.replace(tmp, path / fname)
+            files[fname] = {"size": (path / fname).stat().st_size, "sha256": file_sha256(path / fname)}
         # Step 3: record the shard (the manifest is the commit point: a crash loses at most a shard).
         man["samples"].extend(entries)
         man["next_order"] = order_pos
@@ -375,10 +457,12 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
     return FeatureStore(path)
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj))
-    tmp.replace(path)
+def _write_json(path: Path, obj: dict) -> None:
+    """features.json, atomically, with its own checksum (``elsi.collect.store.write_json``)."""
+    from elsi.collect.store import write_json
+
+    write_json(path, obj, rebuild=f"delete {path.parent} (or choose another --features-dir) and rerun the same "
+                                  "command to rebuild it")
 
 
 def split_samples(n: int, heldout_frac: float, seed: int) -> tuple[list[int], list[int]]:

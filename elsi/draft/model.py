@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -34,6 +35,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from elsi.engines.configs import engine_keys, foreign_draft_config, foreign_weight_name, stale_eagle_config
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -57,7 +60,7 @@ class DraftConfig:
     hidden_act: str = "silu"
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 8192
-    fc_norm: bool = False  # RMS-normalise each target state (learned weight) before fc; not in vLLM's loader
+    fc_norm: bool = False  # RMS-normalise each target state (learned weight) before fc (EAGLE-3.1 "fc_norm")
 
     def __post_init__(self) -> None:
         self.layer_ids = tuple(int(l) for l in self.layer_ids)
@@ -119,19 +122,28 @@ class DraftConfig:
             "target_hidden_size": self.target_hidden_size,
             "tie_word_embeddings": False,
             "torch_dtype": "float32",
-            "eagle_aux_hidden_state_layer_ids": list(self.layer_ids),
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.layer_ids), "use_aux_hidden_state": True},
+            **engine_keys(self.layer_ids, self.fc_norm),
             "elsi": {
-                "layer_id_convention": "HF hidden_states index: h_0 = embeddings, h_l = input of decoder layer l "
-                                       "(vLLM); SGLang/SpecForge count layer outputs: use sglang_layer_ids",
+                "layer_id_convention": "top-level eagle_aux_hidden_state_layer_ids: HF hidden_states index, h_0 = "
+                                       "embeddings, h_l = input of decoder layer l (vLLM); eagle_config's list: "
+                                       "id - 1, the output of layer i (SGLang, SpecForge)",
                 "sglang_layer_ids": [l - 1 for l in self.layer_ids],
                 "draft_config": own,
             },
         }
 
     @classmethod
-    def from_json(cls, obj: dict) -> DraftConfig:
-        own = dict(obj["elsi"]["draft_config"])
+    def from_json(cls, obj: dict, target_num_layers: int | None = None,
+                  target_hidden_size: int | None = None) -> DraftConfig:
+        """From elsi's ``config.json``, or from the standard keys of another tool's EAGLE3 config
+        (SpecForge, EAGLE, speculators), which needs the target's N and hidden size."""
+        if "elsi" in obj:
+            own = dict(obj["elsi"]["draft_config"])
+        elif target_num_layers is None or target_hidden_size is None:
+            raise ValueError("a draft config without an 'elsi' block (from another tool) is read against its "
+                             "target: pass the target's number of layers and hidden size")
+        else:
+            own = foreign_draft_config(obj, target_num_layers, target_hidden_size)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in own.items() if k in known})
 
@@ -408,10 +420,14 @@ class Eagle3Draft(nn.Module):
 
     # ---- persistence ----
     def state_for_save(self) -> dict[str, torch.Tensor]:
-        """Tensors of ``model.safetensors``: EAGLE3 names, no embeddings, no rotary buffer."""
+        """Tensors of ``model.safetensors``: EAGLE3 names, no embeddings, no rotary buffer; the
+        per-layer norm weights as EAGLE-3.1's ``fc_norm.{i}.weight`` (d_t,) each."""
         if self.aux_scale is not None:
             raise ValueError("the draft still trains fc on rescaled inputs: call fold_aux_scale() before saving")
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        out = {k: v.detach().contiguous() for k, v in self.state_dict().items() if k != "fc_norm"}
+        if self.config.fc_norm:
+            out.update({f"fc_norm.{i}.weight": w.detach().contiguous() for i, w in enumerate(self.fc_norm)})
+        return out
 
     def save_pretrained(self, path: str | Path) -> None:
         path = Path(path)
@@ -420,15 +436,93 @@ class Eagle3Draft(nn.Module):
         (path / CONFIG).write_text(json.dumps(self.config.to_json(), indent=1))
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, embed_tokens: nn.Module) -> Eagle3Draft:
+    def from_pretrained(cls, path: str | Path, embed_tokens: nn.Module, target_num_layers: int | None = None) -> Eagle3Draft:
+        """Load elsi's draft directory, or another tool's EAGLE3 checkpoint (SpecForge, EAGLE,
+        speculators: ``config.json`` + ``model.safetensors``) for a target of ``target_num_layers``
+        layers whose token embeddings are ``embed_tokens``. Never unpickles."""
         path = Path(path)
         if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
-            raise FileNotFoundError(f"{path} is not a draft directory (needs {CONFIG} and {WEIGHTS})")
-        cfg = DraftConfig.from_json(json.loads((path / CONFIG).read_text()))
+            pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+            extra = (f"; {pickled} are pickle files, which elsi does not load: convert them to safetensors"
+                     if pickled and (path / CONFIG).is_file() else "")
+            raise FileNotFoundError(f"{path} is not a draft directory (needs {CONFIG} and {WEIGHTS}){extra}")
+        try:
+            obj = json.loads((path / CONFIG).read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path / CONFIG} is not valid JSON ({err})") from None
+        if stale_eagle_config(obj):
+            warnings.warn(f"{path / CONFIG} was written by an older elsi: its eagle_config ids are in vLLM's "
+                          "numbering, so SGLang and SpecForge would capture every layer one too deep; rewrite it "
+                          f"with `elsi upgrade-draft --draft {path}`", stacklevel=2)
+        width, vocab = int(embed_tokens.weight.shape[1]), int(embed_tokens.weight.shape[0])
+        cfg = DraftConfig.from_json(obj, target_num_layers, width)
+        if target_num_layers is not None:
+            check_fits_target(cfg, target_num_layers, width, vocab, where=f"draft {path}")
         draft = cls(cfg, embed_tokens)
         device = next(embed_tokens.parameters()).device
-        draft.load_state_dict(load_file(str(path / WEIGHTS)), strict=True)
+        draft.load_state_dict(_elsi_state(load_file(str(path / WEIGHTS)), cfg, embed_tokens, path), strict=True)
         return draft.to(device)
+
+
+def check_fits_target(cfg: DraftConfig, num_layers: int, hidden_size: int, vocab_size: int | None = None,
+                      where: str = "the draft") -> None:
+    """ValueError where a draft recorded for another target would be fed states it never saw."""
+    bad = []
+    if cfg.target_num_layers != num_layers:
+        bad.append(f"{cfg.target_num_layers} layers (the model has {num_layers})")
+    if cfg.target_hidden_size != hidden_size:
+        bad.append(f"hidden size {cfg.target_hidden_size} (the model's is {hidden_size})")
+    if vocab_size is not None and cfg.vocab_size != vocab_size:
+        bad.append(f"vocabulary {cfg.vocab_size} (the model's is {vocab_size})")
+    if bad:
+        raise ValueError(f"{where} was trained for another target: it records {', '.join(bad)}; "
+                         "train a draft for this model (elsi train-draft --model ...)")
+
+
+def read_draft_config(path: str | Path, num_layers: int, hidden_size: int) -> DraftConfig:
+    """The ``DraftConfig`` of a draft directory (elsi's or another tool's), without its weights."""
+    path = Path(path)
+    if not (path / CONFIG).is_file():
+        raise FileNotFoundError(f"{path} is not a draft directory (no {CONFIG})")
+    try:
+        obj = json.loads((path / CONFIG).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path / CONFIG} is not valid JSON ({err})") from None
+    return DraftConfig.from_json(obj, num_layers, hidden_size)
+
+
+def _elsi_state(tensors: dict[str, torch.Tensor], cfg: DraftConfig, embed_tokens: nn.Module, path: Path) -> dict:
+    """A checkpoint's tensors under elsi's names: foreign names mapped, ``fc_norm.{i}.weight`` stacked
+    into (m, d_t), the draft's own copy of the token embeddings checked against the target's and dropped."""
+    out: dict[str, torch.Tensor] = {}
+    norms: dict[int, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.startswith("embed_tokens."):
+            ref = embed_tokens.weight
+            if t.shape != ref.shape or not torch.equal(t.to(ref.device, ref.dtype), ref.detach()):
+                warnings.warn(f"{path / WEIGHTS} holds its own token embeddings, which differ from the target's; "
+                              "elsi's engine uses the target's (as vLLM does where the draft has none)", stacklevel=3)
+            continue
+        new = foreign_weight_name(name)
+        if new is None:
+            continue
+        if new.startswith("fc_norm.") and new.endswith(".weight"):
+            norms[int(new.split(".")[1])] = t
+        else:
+            out[new] = t
+    if norms:
+        if sorted(norms) != list(range(cfg.num_aux)):
+            raise ValueError(f"{path / WEIGHTS}: fc_norm weights for slots {sorted(norms)}, the draft reads "
+                             f"{cfg.num_aux} layers")
+        out["fc_norm"] = torch.stack([norms[i] for i in range(cfg.num_aux)])  # (m, d_t)
+    if "t2d" not in out and "d2t" in out:  # some tools save only d2t: rebuild t2d from it
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(cfg.draft_vocab_size) + out["d2t"]] = True
+        out["t2d"] = t2d
+    if "d2t" not in out and cfg.draft_vocab_size == cfg.vocab_size:  # full vocabulary: identity maps
+        out["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)
+        out["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    return out
 
 
 def config_for_target(target, layer_ids: Sequence[int], draft_vocab_size: int | None = None,

@@ -13,6 +13,14 @@ Step by step (Li et al., "EAGLE-3", 2025, with this project's choices from DESIG
 4. AdamW, linear warm-up then cosine decay, gradient-norm clip; stop at ``epochs``,
    ``max_steps`` or ``time_budget``, whichever comes first; checkpoint to resume.
 
+Checkpoints (``resume/checkpoint.safetensors``, out of the way of engines that load every
+``*.safetensors`` of a draft directory): the draft's and the optimizer's tensors, with the
+step, data position, curves, optimizer hyper-parameters and settings as JSON in the header,
+and the file's checksum (``elsi.collect.store.save_tensors``); no pickle. Written every
+``checkpoint_every``, at the end, and when the loop is interrupted (Ctrl-C / SIGINT: the
+current step finishes, the checkpoint is written, then KeyboardInterrupt propagates). A run
+with no scored training or held-out position is an error before any step.
+
 Data parallel: under torchrun the draft is wrapped in DistributedDataParallel and each rank
 takes a share of every step's batch (``train_draft``); the result equals one process's.
 
@@ -26,6 +34,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -36,13 +46,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from elsi.collect.collector import dist_info
+from elsi.collect.store import RunError, load_tensors, save_tensors
 from elsi.config import opt
 from elsi.draft.features import FeatureStore, split_samples
 from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
 from elsi.draft.vocab import build_vocab
 from elsi.models.load import Target
 
-CHECKPOINT = "checkpoint.pt"
+# In a subdirectory: vLLM and SGLang load every *.safetensors file at the top of a draft directory.
+CHECKPOINT = "resume/checkpoint.safetensors"
+LEGACY_CHECKPOINT = "checkpoint.pt"  # pickle, written by older elsi versions: never loaded
+CHECKPOINT_FORMAT = 1
 TRAINING = "training.json"
 
 
@@ -77,11 +91,16 @@ class TrainConfig:
     heldout: float = opt(0.05, "fraction of the conversations held out")
     loss_on: str = opt("reply", "positions scored in training and held-out figures: 'reply' (predictions of "
                                 "assistant-reply tokens, what decoding drafts) or 'all'", choices=("reply", "all"))
-    fc_norm: bool = opt(False, "RMS-normalise each target state before fc (not loadable by vLLM/SGLang)")
+    fc_norm: bool = opt(False, "RMS-normalise each target state before fc (EAGLE-3.1 fc_norm: vLLM, SGLang, "
+                               "SpecForge and speculators load it)")
     aux_scale: bool = opt(False, "train fc on target states scaled to unit RMS per feature (folded into fc when "
                                 "saved: same EAGLE3 format); off = raw states")
     head_init: str = opt("random", "initial LM head: 'target' (the target's head rows of the draft vocabulary, "
                                    "final-norm scale folded in) or 'random'", choices=("target", "random"))
+    train_dtype: str = opt("auto", "precision of the draft's matrix products in training: bfloat16 (autocast; "
+                                   "float32 master weights, optimizer and loss), float32, or auto (bfloat16 where "
+                                   "the device multiplies it natively: AMX/AVX512-BF16 CPUs, CUDA >= sm80)",
+                           choices=("auto", "float32", "bfloat16"))
     freeze_head: bool = opt(False, "keep the LM head at its initial weights (saves a third of its compute)")
     eval_every: str = opt("2m", "held-out check (on up to 16 held-out conversations) every this long")
     checkpoint_every: str = opt("2m", "checkpoint for resuming every this long")
@@ -96,6 +115,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.aux_scale and self.fc_norm:
             raise ValueError("aux_scale and fc_norm both rescale fc's inputs; choose one")
+        if self.train_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"train_dtype must be auto, float32 or bfloat16, got {self.train_dtype!r}")
         if self.loss_on not in ("reply", "all"):
             raise ValueError(f"loss_on must be 'reply' or 'all', got {self.loss_on!r}")
         if self.head_init not in ("target", "random"):
@@ -382,6 +403,97 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
+def checkpoint_tensors(draft: Eagle3Draft, opt_: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """The draft's and the optimizer's state as flat tensors (``draft.NAME``, ``optimizer.PARAM.KEY``) and
+    the optimizer's JSON part (param groups, non-tensor state values)."""
+    tensors = {f"draft.{k}": v.detach() for k, v in draft.state_dict().items()}
+    sd = opt_.state_dict()
+    extra: dict[str, dict] = {}
+    for pid, st in sd["state"].items():
+        for key, val in st.items():
+            if isinstance(val, torch.Tensor):
+                tensors[f"optimizer.{pid}.{key}"] = val.detach()
+            else:
+                extra.setdefault(str(pid), {})[key] = val
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "state_extra": extra}
+
+
+def restore_checkpoint(tensors: dict[str, torch.Tensor], optim_json: dict, draft: Eagle3Draft,
+                       opt_: torch.optim.Optimizer) -> None:
+    """Load ``checkpoint_tensors``' output back into ``draft`` and ``opt_`` (same values, bit for bit)."""
+    draft.load_state_dict({k[len("draft."):]: v for k, v in tensors.items() if k.startswith("draft.")}, strict=True)
+    state: dict[int, dict] = {}
+    for name, val in tensors.items():
+        if name.startswith("optimizer."):
+            _, pid, key = name.split(".", 2)
+            state.setdefault(int(pid), {})[key] = val
+    for pid, extra in optim_json.get("state_extra", {}).items():
+        state.setdefault(int(pid), {}).update(extra)
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in optim_json["param_groups"]]
+    opt_.load_state_dict({"state": state, "param_groups": groups})
+
+
+def save_checkpoint(path: Path, draft: Eagle3Draft, opt_: torch.optim.Optimizer, settings: dict, state: dict) -> None:
+    """Write ``resume/checkpoint.safetensors`` atomically (tensors + JSON header + checksum)."""
+    tensors, optim_json = checkpoint_tensors(draft, opt_)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_tensors(path, tensors, {"format": CHECKPOINT_FORMAT, "settings": settings, "state": state,
+                                 "optimizer": optim_json})
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors and JSON header of a checkpoint, checked against its checksum; RunError (a ValueError) naming
+    the file otherwise."""
+    fix = "rerun the same command with --restart to start this draft over (or choose another --out)"
+    tensors, meta = load_tensors(path, fix=fix)
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT or "state" not in meta:
+        raise RunError(f"{path} is not an elsi training checkpoint of format {CHECKPOINT_FORMAT}; {fix}")
+    return tensors, meta
+
+
+class _Interrupt:
+    """Turns SIGINT (Ctrl-C) during the training loop into a flag read at the end of each step, so that the
+    checkpoint written on the way out is that of a finished step. A second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> _Interrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def scored_positions(store: FeatureStore, indices: Sequence[int], loss_on: str) -> int:
+    """How many depth-1 predictions of ``indices`` training and held-out figures score (``make_batch``'s ``valid``)."""
+    return sum(store.scored_count(i, loss_on) for i in indices)
+
+
+def matmul_dtype(choice: str, device: torch.device) -> tuple[torch.dtype, str | None]:
+    """The dtype of the draft's training matmuls for ``--train-dtype`` on ``device``, and a warning
+    when bfloat16 was asked for where it would be emulated (several times slower than float32)."""
+    from elsi.models.adapters import fast_bf16
+
+    fast, why = fast_bf16(device)
+    if choice == "float32" or (choice == "auto" and not fast):
+        return torch.float32, None
+    if not fast:
+        return torch.float32, (f"--train-dtype bfloat16: {why}, so bf16 products would be emulated, several times "
+                               "slower than float32; training in float32 instead")
+    return torch.bfloat16, None
+
+
 def _settings_key(cfg: TrainConfig, feature_settings: dict, samples: int) -> dict:
     keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "restart", "eval_every", "checkpoint_every")}
     return {"train": keep, "features": feature_settings, "samples": samples}
@@ -414,6 +526,14 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
 
     # Step 1: split and vocabulary (both deterministic functions of the data and seed).
     train_idx, held_idx = split_samples(n, cfg.heldout, seed)
+    max_tokens = store.manifest["settings"].get("max_tokens")
+    for what, idx in (("training", train_idx), ("held-out", held_idx)):
+        if scored_positions(store, idx, cfg.loss_on) == 0:
+            why = (f"none of its {len(idx)} conversations has an assistant-reply token within --max-tokens "
+                   f"{max_tokens} (--loss-on reply)" if cfg.loss_on == "reply" else
+                   f"its {len(idx)} conversations have fewer than 2 tokens each")
+            raise ValueError(f"the {what} split has no position to score: {why}; raise --max-tokens, use data with "
+                             "shorter prompts, or pass --loss-on all")
     vocab_size = int(target.adapter.embed_tokens(target.model).weight.shape[0])
     vocab_ids, d2t, t2d, counts = build_vocab(
         (store.argmax(i) for i in train_idx), vocab_size, cfg.draft_vocab)
@@ -440,13 +560,18 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
                              fused=device.type in ("cpu", "cuda") or None)
     state = {"step": 0, "epoch": 0, "pos": 0, "elapsed": 0.0, "tokens": 0, "curve": [], "heldout_curve": []}
     ck = out / CHECKPOINT
+    legacy = out / LEGACY_CHECKPOINT
+    if cfg.restart and rank == 0:
+        legacy.unlink(missing_ok=True)
+    elif legacy.is_file() and not ck.is_file():
+        raise ValueError(f"{legacy} is a checkpoint of an older elsi, saved with pickle, which elsi does not load "
+                         "(unpickling can run code): pass --restart to start this draft over (it deletes the file)")
     if ck.is_file() and not cfg.restart:
-        saved = torch.load(ck, map_location=device, weights_only=False)
+        tensors, saved = load_checkpoint(ck)
         if saved["settings"] != settings:
             raise ValueError(f"{ck} was written with other settings; pass --restart to start over "
                              f"or choose another --out")
-        draft.load_state_dict(saved["draft"])
-        opt_.load_state_dict(saved["optimizer"])
+        restore_checkpoint(tensors, saved["optimizer"], draft, opt_)
         state = saved["state"]
         if on_progress:
             on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan,
@@ -470,85 +595,102 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
         perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
         return [train_idx[i] for i in perm.tolist()]
 
-    def save_checkpoint() -> None:
-        tmp = ck.with_suffix(".tmp")
-        torch.save({"settings": settings, "draft": draft.state_dict(), "optimizer": opt_.state_dict(),
-                    "state": state}, tmp)
-        tmp.replace(ck)
+    def checkpoint() -> None:
+        save_checkpoint(ck, draft, opt_, settings, state)
 
-    # Step 3: the loop.
+    # Step 3: the loop. bf16 autocast covers the draft's forward (and so its backward); weights, AdamW and
+    # the loss (log-softmax in float32, ``ttt_loss``) stay float32; held-out figures are computed in float32,
+    # the precision the decoding engine drafts in.
+    mm_dtype, warning = matmul_dtype(cfg.train_dtype, device)
+    if warning and on_progress and rank == 0:
+        on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan, math.nan,
+                             0.0, note=f"warning: {warning}"))
     t_start = time.perf_counter() - state["elapsed"]
     last_eval = last_ck = state["elapsed"]
     recent: list[tuple[float, int, int]] = []
     perm = order(state["epoch"])
-    while state["step"] < total_steps and state["elapsed"] < budget:
-        if state["pos"] >= len(perm):
-            state["epoch"] += 1
-            state["pos"] = 0
-            perm = order(state["epoch"])
-        idx = perm[state["pos"]: state["pos"] + cfg.batch_size]
-        state["pos"] += len(idx)
-        mine = idx[rank::world]  # this process's share of the step's batch (all of it with one process)
-        samples_ = [store.sample(i, layer_pos) for i in mine or idx[:1]]
-        score = scored(samples_, cfg.loss_on)
-        if not mine:  # an epoch's last batch, smaller than W: a fully masked stand-in keeps DDP in step
-            score = [torch.zeros_like(s["ids"], dtype=torch.bool) for s in samples_]
-        batch = make_batch(target, samples_, vocab_ids, t2d, device, label_head=label_head, score=score)
-        progress = state["step"] / total_steps if step_based else max(state["step"] / total_steps,
-                                                                      state["elapsed"] / budget)
-        lr = cfg.lr * lr_factor(state["step"], progress, cfg.warmup_steps)
-        for group in opt_.param_groups:
-            group["lr"] = lr
-        if ddp is None:
-            loss, stats, _ = ttt_loss(draft, batch, cfg.ttt)
-        else:  # this rank's share of the global loss: per-step sums over the global batch's scored counts
-            counts = scored_counts(batch, cfg.ttt)  # (ttt,)
-            dist.all_reduce(counts)
-            loss, stats, _ = ddp(batch, counts)
-        opt_.zero_grad(set_to_none=True)
-        (loss * world).backward()  # DDP averages the W ranks' gradients: x W makes them the global batch's
-        torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], cfg.grad_clip)
-        opt_.step()
-        state["step"] += 1
-        figures = [float(loss.detach()), stats[0]["correct"], stats[0]["scored"]]
-        if ddp is None:
-            state["elapsed"] = time.perf_counter() - t_start
-        else:  # the global batch's figures, and rank 0's clock for every decision that follows
-            figures.append(time.perf_counter() - t_start if rank == 0 else 0.0)
-            total = torch.tensor(figures, dtype=torch.float64, device=device)
-            dist.all_reduce(total)
-            figures = [total[0].item(), round(total[1].item()), round(total[2].item())]
-            state["elapsed"] = total[3].item()
-        state["tokens"] += figures[2]
-        recent = (recent + [tuple(figures)])[-20:]
-        r_loss = sum(r[0] for r in recent) / len(recent)
-        r_acc = sum(r[1] for r in recent) / max(1, sum(r[2] for r in recent))
-        if state["step"] % 10 == 0 or state["step"] == 1:
-            state["curve"].append({"step": state["step"], "elapsed_s": round(state["elapsed"], 2),
-                                   "tokens": state["tokens"], "lr": lr, "loss": r_loss, "acc": r_acc})
-        held = None
-        if state["elapsed"] - last_eval >= eval_every:
-            if rank == 0:
-                held = evaluate_store(draft, target, store, probe, vocab_ids, min(cfg.ttt, 3), cfg.batch_size,
-                                      device, cfg.loss_on)
-                state["heldout_curve"].append({"step": state["step"], "elapsed_s": round(state["elapsed"], 2),
-                                               "match": held["match"], "loss": held["loss"]})
-            _barrier(world)
-            last_eval = state["elapsed"]
-            t_start = time.perf_counter() - state["elapsed"]  # evaluation time is not training time
-        if state["elapsed"] - last_ck >= ck_every:
-            if rank == 0:
-                save_checkpoint()
-            _barrier(world)
-            last_ck = state["elapsed"]
-        if on_progress:
-            on_progress(Progress(state["step"], state["epoch"] + state["pos"] / len(perm), state["elapsed"],
-                                 state["tokens"], r_loss, r_acc, lr, held["match"][0] if held else None,
-                                 step_loss=figures[0]))
+    with _Interrupt() as interrupt:  # Ctrl-C: finish the step, write the checkpoint, then stop
+        while state["step"] < total_steps and state["elapsed"] < budget:
+            if state["pos"] >= len(perm):
+                state["epoch"] += 1
+                state["pos"] = 0
+                perm = order(state["epoch"])
+            idx = perm[state["pos"]: state["pos"] + cfg.batch_size]
+            state["pos"] += len(idx)
+            mine = idx[rank::world]  # this process's share of the step's batch (all of it with one process)
+            samples_ = [store.sample(i, layer_pos) for i in mine or idx[:1]]
+            score = scored(samples_, cfg.loss_on)
+            if not mine:  # an epoch's last batch, smaller than W: a fully masked stand-in keeps DDP in step
+                score = [torch.zeros_like(s["ids"], dtype=torch.bool) for s in samples_]
+            batch = make_batch(target, samples_, vocab_ids, t2d, device, label_head=label_head, score=score)
+            progress = state["step"] / total_steps if step_based else max(state["step"] / total_steps,
+                                                                          state["elapsed"] / budget)
+            lr = cfg.lr * lr_factor(state["step"], progress, cfg.warmup_steps)
+            for group in opt_.param_groups:
+                group["lr"] = lr
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mm_dtype == torch.bfloat16):
+                if ddp is None:
+                    loss, stats, _ = ttt_loss(draft, batch, cfg.ttt)
+                else:  # this rank's share of the global loss: per-step sums over the global batch's scored counts
+                    counts = scored_counts(batch, cfg.ttt)  # (ttt,)
+                    dist.all_reduce(counts)
+                    loss, stats, _ = ddp(batch, counts)
+            opt_.zero_grad(set_to_none=True)
+            (loss * world).backward()  # DDP averages the W ranks' gradients: x W makes them the global batch's
+            torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], cfg.grad_clip)
+            opt_.step()
+            state["step"] += 1
+            figures = [float(loss.detach()), stats[0]["correct"], stats[0]["scored"]]
+            if ddp is None:
+                state["elapsed"] = time.perf_counter() - t_start
+            else:  # the global batch's figures, rank 0's clock for every decision that follows, any rank's Ctrl-C
+                figures.append(time.perf_counter() - t_start if rank == 0 else 0.0)
+                figures.append(1.0 if interrupt.requested else 0.0)
+                total = torch.tensor(figures, dtype=torch.float64, device=device)
+                dist.all_reduce(total)
+                figures = [total[0].item(), round(total[1].item()), round(total[2].item())]
+                state["elapsed"] = total[3].item()
+                stop = total[4].item() > 0  # every rank stops after the same step
+            state["tokens"] += figures[2]
+            recent = (recent + [tuple(figures)])[-20:]
+            r_loss = sum(r[0] for r in recent) / len(recent)
+            r_acc = sum(r[1] for r in recent) / max(1, sum(r[2] for r in recent))
+            if state["step"] % 10 == 0 or state["step"] == 1:
+                state["curve"].append({"step": state["step"], "elapsed_s": round(state["elapsed"], 2),
+                                       "tokens": state["tokens"], "lr": lr, "loss": r_loss, "acc": r_acc})
+            held = None
+            if state["elapsed"] - last_eval >= eval_every:
+                if rank == 0:
+                    held = evaluate_store(draft, target, store, probe, vocab_ids, min(cfg.ttt, 3), cfg.batch_size,
+                                          device, cfg.loss_on)
+                    state["heldout_curve"].append({"step": state["step"], "elapsed_s": round(state["elapsed"], 2),
+                                                   "match": held["match"], "loss": held["loss"]})
+                _barrier(world)
+                last_eval = state["elapsed"]
+                t_start = time.perf_counter() - state["elapsed"]  # evaluation time is not training time
+            if state["elapsed"] - last_ck >= ck_every:
+                if rank == 0:
+                    checkpoint()
+                _barrier(world)
+                last_ck = state["elapsed"]
+            if on_progress:
+                try:
+                    on_progress(Progress(state["step"], state["epoch"] + state["pos"] / len(perm), state["elapsed"],
+                                         state["tokens"], r_loss, r_acc, lr, held["match"][0] if held else None,
+                                         step_loss=figures[0]))
+                except KeyboardInterrupt:  # Ctrl-C outside the handler (or raised by the caller): the same
+                    interrupt.requested = True
+            if ddp is None:
+                stop = interrupt.requested
+            if stop:
+                if rank == 0:
+                    checkpoint()
+                _barrier(world)
+                raise KeyboardInterrupt
     if rank != 0:  # rank 0 evaluates and writes; the others return its record
         _barrier(world)
         return json.loads((out / TRAINING).read_text())
-    save_checkpoint()
+    checkpoint()
 
     # Step 4: held-out figures, then the draft and its record.
     draft.fold_aux_scale()  # the weights that are saved are the ones evaluated
@@ -569,6 +711,7 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
         "train_seconds": state["elapsed"],
         "train_tokens_seen": state["tokens"],
         "train_tokens_per_s": state["tokens"] / max(1e-9, state["elapsed"]),
+        "train_matmul_dtype": str(mm_dtype).removeprefix("torch."),
         "curve": state["curve"],
         "heldout_curve": state["heldout_curve"],
         "heldout": final,

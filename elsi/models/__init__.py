@@ -1,7 +1,16 @@
 """Targets: resolving ``--model``, loading, and the per-family adapters."""
 
 from elsi.models.adapters import REGISTRY, Adapter, adapter_for, plain_template, resolve_device
-from elsi.models.load import ALIASES, DEFAULT_MODEL, Target, cache_dir, load_target, model_num_layers, resolve_model
+from elsi.models.load import (
+    ALIASES,
+    DEFAULT_MODEL,
+    Target,
+    cache_dir,
+    load_target,
+    model_num_layers,
+    model_shape,
+    resolve_model,
+)
 
 __all__ = [
     "ALIASES",
@@ -13,6 +22,7 @@ __all__ = [
     "cache_dir",
     "load_target",
     "model_num_layers",
+    "model_shape",
     "plain_template",
     "resolve_device",
     "resolve_model",

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,25 +95,65 @@ def _convert_gguf(gguf: Path) -> Path:
     return out
 
 
-def resolve_model(spec: str) -> Path | str:
-    """Map ``--model`` to a loadable HF directory (converting GGUF) or a hub id."""
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")  # namespace/name
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_cached(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds ``repo_id``'s config.json (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def check_model(spec: str) -> str:
+    """Check ``--model`` without loading anything heavy; return its kind ("alias", "gguf", "dir", "hub").
+
+    One clear error per case: an unknown alias-like name lists the aliases; a path (``/``-rooted,
+    ``.``, ``~``, ``.gguf``, several ``/``) that does not exist is "model path not found"; a hub id
+    that is not in the local Hugging Face cache while ``HF_HUB_OFFLINE=1`` says so.
+    """
     if spec in ALIASES:
-        return _convert_gguf(ALIASES[spec]())
+        return "alias"
     path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        return _convert_gguf(path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
-        return path
+        return "dir"
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model path not found: {path} (GGUF file)")
+        return "gguf"
     if path.exists():
         raise ValueError(f"--model {spec!r}: a file that is neither a GGUF nor a model directory")
-    if "/" not in spec:
-        known = ", ".join(sorted(ALIASES))
-        raise ValueError(f"unknown model {spec!r}: not an alias ({known}), a directory, a .gguf or a hub id")
-    return spec  # a hub id: works offline only if it is already in the HF cache
+    known = ", ".join(sorted(ALIASES))
+    looks_like_path = spec.startswith((".", "~", os.sep)) or (os.altsep and os.altsep in spec) or spec.count("/") > 1
+    if looks_like_path:
+        raise FileNotFoundError(f"model path not found: {path}")
+    if not HUB_ID.fullmatch(spec):
+        raise ValueError(f"unknown model {spec!r}: not an alias ({known}), an existing directory or .gguf file, "
+                         f"or a hub id (namespace/name)")
+    if _hub_offline() and not _hub_cached(spec):
+        raise FileNotFoundError(
+            f"model {spec!r} is neither a local path nor in the Hugging Face cache, and offline mode is on "
+            f"(HF_HUB_OFFLINE=1): download it once with network access (HF_HUB_OFFLINE=0), or pass a local "
+            f"directory, a .gguf file or an alias ({known})")
+    return "hub"
+
+
+def resolve_model(spec: str) -> Path | str:
+    """Map ``--model`` to a loadable HF directory (converting GGUF) or a hub id (see ``check_model``)."""
+    kind = check_model(spec)
+    if kind == "alias":
+        return _convert_gguf(ALIASES[spec]())
+    if kind == "gguf":
+        return _convert_gguf(Path(spec).expanduser())
+    if kind == "dir":
+        return Path(spec).expanduser()
+    return spec  # a hub id: offline, it is in the HF cache
 
 
 def load_target(
@@ -130,9 +171,12 @@ def load_target(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(spec)
-    tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     extra = {"device_map": device_map} if device_map else {}
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code, **extra)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code, **extra)
+    except OSError as err:  # transformers' "not found / cannot connect" errors
+        raise ValueError(f"cannot load model {spec!r} ({source}): {err}") from err
     if not device_map:
         model.to(device)
     model.eval()
@@ -148,9 +192,14 @@ def load_target(
     )
 
 
-def model_num_layers(spec: str, trust_remote_code: bool = False) -> int:
-    """N of a model from its config alone (no weights loaded)."""
+def model_shape(spec: str, trust_remote_code: bool = False) -> tuple[int, int]:
+    """(N layers, hidden size) of a model from its config alone (no weights loaded)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(resolve_model(spec), trust_remote_code=trust_remote_code)
-    return int(cfg.get_text_config().num_hidden_layers)
+    cfg = AutoConfig.from_pretrained(resolve_model(spec), trust_remote_code=trust_remote_code).get_text_config()
+    return int(cfg.num_hidden_layers), int(cfg.hidden_size)
+
+
+def model_num_layers(spec: str, trust_remote_code: bool = False) -> int:
+    """N of a model from its config alone (no weights loaded)."""
+    return model_shape(spec, trust_remote_code)[0]

@@ -7,7 +7,6 @@ models on a normalised depth axis) and one page that puts the models side by sid
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -31,8 +30,10 @@ def baseline_layers(num_layers: int) -> dict[str, list[int]]:
     return out
 
 
-def _read(path: Path) -> dict:
-    return json.loads(path.read_text())
+def _read(path: Path, fix: str) -> dict:
+    from elsi.collect.store import read_json
+
+    return read_json(path, fix=fix)
 
 
 def load_run(run_dir: str | Path) -> dict:
@@ -46,12 +47,30 @@ def load_run(run_dir: str | Path) -> dict:
         raise FileNotFoundError(f"{run_dir} has no analysis.json: run `elsi analyze --out {run_dir}` first")
     man = run_dir / "manifest.json"
     sel = run_dir / SELECTIONS
-    return {
+    again = f"rerun `elsi analyze --out {run_dir}` with the run's settings (it recomputes analysis.json from the Gram tensor)"
+    out = {
         "dir": run_dir,
-        "analysis": _read(ana),
-        "manifest": _read(man) if man.exists() else None,
-        "selections": _read(sel) if sel.exists() else None,
+        "analysis": _read(ana, again),
+        "manifest": _read(man, f"delete {run_dir} and run `elsi analyze` again") if man.exists() else None,
+        "selections": _read(sel, f"delete it and rerun `elsi select --run {run_dir}`") if sel.exists() else None,
     }
+    check_grams(run_dir, out["analysis"], out["manifest"])
+    return out
+
+
+def check_grams(run_dir: Path, analysis: dict, manifest: dict | None) -> None:
+    """The run's Gram tensor (when present) against its checksum, and analysis.json against it; RunError naming
+    the file and the command that rebuilds it."""
+    grams = run_dir / "grams.safetensors"
+    if not grams.is_file():
+        return
+    from elsi.collect.store import RunError, analyze_command, verify_tensors
+
+    settings = (manifest or {}).get("settings") or analysis.get("settings", {})
+    digest = verify_tensors(grams, fix=f"rebuild it with `{analyze_command(run_dir, settings)}`")
+    if digest is not None and analysis.get("grams_sha256") not in (None, digest):
+        raise RunError(f"{run_dir / 'analysis.json'} was computed from another Gram tensor than {grams}; rerun "
+                       f"`{analyze_command(run_dir, settings)}` (it recomputes analysis.json)")
 
 
 def _score(run_dir: Path, analysis: dict, layers: list[int]) -> float | None:

@@ -1,6 +1,5 @@
-"""Layer-set selection (ELSI, ELSI-C, exhaustive, baselines) and export to runtimes."""
+"""Layer-set selection (ELSI, ELSI-C, exhaustive, baselines); export to runtimes is ``elsi.engines``."""
 
-from elsi.select.export import FORMATS, export_fragment
 from elsi.select.run import SELECTIONS, SelectConfig, Selector, chosen_layers, save_selections, select_all
 from elsi.select.search import (
     BASELINES,
@@ -15,7 +14,6 @@ from elsi.select.search import (
 
 __all__ = [
     "BASELINES",
-    "FORMATS",
     "METHODS",
     "SELECTIONS",
     "SelectConfig",
@@ -27,7 +25,6 @@ __all__ = [
     "chosen_layers",
     "elsi_c_candidates",
     "exhaustive_search",
-    "export_fragment",
     "save_selections",
     "select_all",
 ]

@@ -18,7 +18,8 @@ import torch
 
 from elsi.collect.grams import diag_index, unpack
 from elsi.config import opt
-from elsi.collect.store import GRAMS, MANIFEST, RunError, load_tensors, read_json, write_json
+from elsi.collect.store import (GRAMS, MANIFEST, RunError, analyze_command, load_tensors, read_json,
+                                tensors_checksum, write_json)
 from elsi.stats.cka import CKA_ESTIMATORS, cka_from_hsic, cka_matrix, hsic_matrix
 from elsi.stats.entropy import EntropyStat, aggregate_blocks, entropy_of_eigenvalues, kernel_entropy
 from elsi.stats.transitions import compartments, find_boundaries, transition_scores
@@ -79,10 +80,22 @@ class GramRun:
         self.dir = Path(run_dir)
         if not (self.dir / MANIFEST).exists():
             raise RunError(f"{self.dir} is not an elsi run directory (no {MANIFEST}); run `elsi analyze --out {self.dir}`")
-        self.manifest = read_json(self.dir / MANIFEST)
-        if self.manifest.get("status") != "complete" or not (self.dir / GRAMS).exists():
-            raise RunError(f"{self.dir}: collection is not finished; rerun the same `elsi analyze` command to continue it")
-        tensors, _ = load_tensors(self.dir / GRAMS)
+        self.manifest = read_json(self.dir / MANIFEST, fix=f"delete {self.dir} (or use another --out) and run "
+                                                             "`elsi analyze` again")
+        status = self.manifest.get("status")
+        if status != "complete":
+            why = f" ({self.manifest['error']})" if status == "failed" and self.manifest.get("error") else ""
+            raise RunError(f"{self.dir}: collection is not finished{why}; rerun the same `elsi analyze` command to "
+                           "continue it")
+        rebuild = f"rebuild it with `{analyze_command(self.dir, self.manifest.get('settings', {}))}` (collects the run again)"
+        if not (self.dir / GRAMS).exists():
+            raise RunError(f"{self.dir / GRAMS} is missing; {rebuild}")
+        tensors, _ = load_tensors(self.dir / GRAMS, fix=rebuild)  # checked against its checksum
+        on_disk = tensors_checksum(self.dir / GRAMS)
+        self.grams_sha256: str | None = self.manifest.get("grams_sha256") or on_disk  # (older runs: no record)
+        if self.grams_sha256 != on_disk:
+            raise RunError(f"{self.dir / GRAMS} is not the Gram tensor manifest.json records (another run's file?); "
+                           f"{rebuild}")
         v = "_unfiltered" if unfiltered else ""
         self.unfiltered = unfiltered
         self.num_layers: int = int(self.manifest["num_layers"])  # N
@@ -249,7 +262,9 @@ def analyze_run(run_dir: str | Path, cfg: AnalysisConfig) -> dict:
     unf = GramRun(run_dir, unfiltered=True)
     out["unfiltered"] = {**layer_profile(unf, pool, cfg.aggregate), **geometry(unf, cfg)}
     out["settings"] = {**run.manifest["settings"], **asdict(cfg)}
+    out["grams_sha256"] = run.grams_sha256  # the Gram tensor these statistics come from
     out["counts"] = run.manifest["counts"]
     out["elapsed_s"] = round(time.perf_counter() - t0, 2)
-    write_json(Path(run_dir) / ANALYSIS, out)
+    again = f"rerun `{analyze_command(Path(run_dir), run.manifest['settings'])}` (it recomputes {ANALYSIS} from the Gram tensor)"
+    write_json(Path(run_dir) / ANALYSIS, out, rebuild=again)
     return out

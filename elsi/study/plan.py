@@ -22,6 +22,7 @@ from pathlib import Path
 
 from elsi.collect.store import read_json, write_json
 from elsi.config import like, opt
+from elsi.data.conversations import data_identity
 from elsi.data.spec_bench import SUBTASKS
 from elsi.draft.features import FeatureConfig
 from elsi.draft.train import TrainConfig, parse_duration
@@ -197,6 +198,7 @@ def set_entropy(selector: Selector, layers: tuple[int, ...]) -> float:
 def plan_settings(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, selector: Selector) -> dict:
     """Every setting that shapes a draft or a benchmark (what a rerun must match)."""
     features = {k: v for k, v in asdict(fcfg).items() if k not in ("cache_layers", "features_dir", "forward_batch")}
+    features["data"] = data_identity(fcfg.data)  # by content: the same file elsewhere is the same data
     train = {k: v for k, v in asdict(tcfg).items()
              if k not in ("layers", "out", "restart", "time_budget", "eval_every", "checkpoint_every")}
     bench = {k: v for k, v in asdict(cfg.bench_config(fcfg.model, baseline=True)).items()
@@ -244,12 +246,25 @@ def _diff(old, new, path: str = "") -> list[str]:
     return [] if old == new else [f"{path}: {old!r} in plan.json, {new!r} now"]
 
 
+def _data_by_content(settings: dict) -> dict:
+    """``settings`` of an older plan.json, whose ``features.data`` is a path, with the data's identity instead
+    (that file's content now; a path that no longer exists stays as it is and differs)."""
+    data = settings.get("features", {}).get("data")
+    if not isinstance(data, str) or data == "sharegpt" or data.startswith("sha256:"):
+        return settings
+    try:
+        ident = data_identity(data)
+    except (OSError, ValueError):
+        return settings
+    return {**settings, "features": {**settings["features"], "data": ident}}
+
+
 def plan_differences(old: dict, new: dict) -> list[str]:
     """What a rerun changed that its finished drafts and benchmarks depend on (empty: it may continue).
 
     Sets and seeds (a set's too) may be added or dropped; a set that keeps its name must keep its layers.
     """
-    diffs = _diff(old.get("settings", {}), new["settings"])
+    diffs = _diff(_data_by_content(old.get("settings", {})), new["settings"])
     if old.get("model") != new["model"]:
         diffs.append(f"model: {old.get('model')!r} in plan.json, {new['model']!r} now")
     before = {s["name"]: s["layers"] for s in old.get("sets", [])}

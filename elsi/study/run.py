@@ -15,15 +15,15 @@ Every file is written whole (temporary file, then rename).
 
 from __future__ import annotations
 
-import json
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from elsi.collect.store import write_json
+from elsi.collect.store import RunError, read_json, write_json
 from elsi.data.conversations import Dataset
 from elsi.decode.drafters import load_drafter
 from elsi.draft.features import FeatureConfig, build_features
@@ -61,9 +61,20 @@ def bench_path(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
     return Path(study_dir) / BENCH / f"{s.slug}-s{seed}.json"
 
 
+def _readable(path: Path) -> dict | None:
+    """A JSON object file, or None when it is missing or damaged (the work that writes it is then redone)."""
+    if not path.is_file():
+        return None
+    try:
+        return read_json(path)
+    except RunError as err:
+        warnings.warn(f"{err}: redoing the work that writes it")
+        return None
+
+
 def draft_complete(path: Path) -> bool:
-    rec = path / TRAINING
-    return rec.is_file() and json.loads(rec.read_text()).get("status") == "complete"
+    rec = _readable(path / TRAINING)
+    return rec is not None and rec.get("status") == "complete"
 
 
 def clear_study(study_dir: str | Path) -> None:
@@ -123,7 +134,7 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
 
     # Step 2: the baseline (plain decoding and transformers generate), once.
     base_path = study_dir / BENCH / BASELINE
-    if base_path.is_file():
+    if _readable(base_path) is not None:
         say(2, n, f"baseline: plain decoding and transformers generate (done: {base_path})")
     else:
         say(2, n, "baseline: plain decoding and transformers generate")
@@ -147,18 +158,18 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
                 train_draft(target, store, t, seed, device, samples=fcfg.samples, on_progress=hooks.train)
             path = bench_path(study_dir, s, seed)
             i += 1
-            if path.is_file():
+            if _readable(path) is not None:
                 say(i, n, f"benchmarking {what} (done: {path})")
             else:
                 say(i, n, f"benchmarking {what}")
                 drafter, info = load_drafter(str(out), target)
                 res = run_bench(target, drafter, cfg.bench_config(fcfg.model, draft=str(out)), on_answer=hooks.bench)
                 write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
-            benches[(s.name, seed)] = json.loads(path.read_text())
+            benches[(s.name, seed)] = read_json(path)
 
     # Step 4: the summary.
     say(n, n, f"summary: {STUDY_JSON}, {STUDY_MD}")
-    return write_summary(study_dir, plan, benches, json.loads(base_path.read_text()), cfg.bootstrap, command)
+    return write_summary(study_dir, plan, benches, read_json(base_path), cfg.bootstrap, command)
 
 
 def write_summary(study_dir: str | Path, plan: dict, benches: dict, baseline: dict, bootstrap: int,
@@ -178,7 +189,8 @@ def load_study(study_dir: str | Path) -> dict:
     path = Path(study_dir) / STUDY_JSON
     if not path.is_file():
         raise FileNotFoundError(f"{study_dir} has no {STUDY_JSON}: run `elsi study --out {study_dir}` first")
-    return json.loads(path.read_text())
+    return read_json(path, fix=f"rerun the same `elsi study --out {study_dir}` command (it rewrites {STUDY_JSON} from "
+                               "the finished benchmarks)")
 
 
 __all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "bench_path", "clear_study", "draft_dir",

@@ -138,7 +138,7 @@ def draft_stats(answers: list[dict], qids: list[int], subtask_of: dict[int, str]
     }
 
 
-def _pooled_tau(w: np.ndarray, acc: np.ndarray, steps: np.ndarray) -> np.ndarray:
+def pooled_tau(w: np.ndarray, acc: np.ndarray, steps: np.ndarray) -> np.ndarray:
     """Pooled τ of every resample: w (R, Q) counts, acc and steps (Q,) -> (R,)."""
     s = w @ steps  # (R,)
     return np.where(s > 0, (w @ acc) / np.where(s > 0, s, 1.0), np.nan)
@@ -169,7 +169,7 @@ def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: di
         }
         rows.append(row)
         if weights is not None:
-            boot[s["name"]] = np.mean([_pooled_tau(weights, p["accepted"], p["steps"]) for p in per], axis=0)  # (R,)
+            boot[s["name"]] = np.mean([pooled_tau(weights, p["accepted"], p["steps"]) for p in per], axis=0)  # (R,)
     by = {r["name"]: r for r in rows}
     for r in rows:
         r["delta_pct"] = {ref: (100.0 * (r["tau_all"] / by[ref]["tau_all"] - 1.0)

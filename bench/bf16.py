@@ -1,0 +1,215 @@
+"""bfloat16 against float32, stage by stage, on the same inputs in one run (issue: bf16 on the AMX units).
+
+Stages (``--stages``; each alternates the two precisions per input so machine load hits both alike,
+warm-up excluded, medians reported):
+- ``collect``: ``elsi analyze``'s per-sample work (forward with all hidden states, token entropy,
+  filter, blocks, Grams) with the target in fp32 and in bf16: tokens/s, and the per-layer mean
+  block entropy of each (max |difference| over layers, nats).
+- ``features``: the feature pass of ``train-draft`` (``target_features``: forward, hidden states
+  stored fp16): tokens/s, relative error of the bf16 features against the fp32 ones (both fp16),
+  agreement of the target's argmax (the hard label).
+- ``regen``: ``--regenerate``'s batched greedy generation of answers: tokens/s, how many answers
+  are identical and where the first differing token falls.
+- ``train``: draft training steps from the same initial weights on the same conversations, fp32
+  against ``--train-dtype bfloat16`` autocast (fp32 master weights): scored tokens/s and both loss
+  curves (step by step) and their held-out match after the same number of steps.
+``--compare-runs FP32_RUN BF16_RUN``: two finished ``elsi analyze`` runs (``--dtype float32`` and
+``bfloat16``): per-layer entropy differences and each run's ELSI m=3 set.
+
+    .venv/bin/python bench/bf16.py --stages collect features regen train --threads 2 --out bench/results/bf16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from elsi.collect.collector import _forward, package_versions
+from elsi.collect.grams import block_grams, blocks_of, filter_positions, kept_count, token_entropy, unpack
+from elsi.data import iter_tokenized, load_dataset
+from elsi.draft.features import regenerate_batch, target_features
+from elsi.models import load_target
+from elsi.stats.entropy import kernel_entropy
+
+
+def _samples(target, n: int, max_tokens: int = 1024) -> list[list[int]]:
+    out = []
+    for _, _, ids in iter_tokenized(load_dataset("sharegpt"), target.tokenizer, max_tokens, 0):
+        if isinstance(ids, list) and kept_count(len(ids), 0.3) >= 32:
+            out.append(ids)
+        if len(out) >= n:
+            break
+    return out
+
+
+def _alternate(fns: dict, inputs: list, warmup: int) -> dict[str, list[float]]:
+    """Seconds per input of each fn, alternating which runs first; the first ``warmup`` inputs untimed."""
+    times = {k: [] for k in fns}
+    names = list(fns)
+    for i, x in enumerate(inputs):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            t0 = time.perf_counter()
+            fns[name](x)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _layer_entropy(target, ids: list[int]) -> torch.Tensor:
+    """Per-layer mean block entropy of one sample (nats), as ``collect`` forms it: (N+1,)."""
+    logits, hidden = _forward(target, ids)
+    blocks = blocks_of(filter_positions(token_entropy(logits), 0.3), 32)
+    grams, _ = block_grams(hidden, blocks, "center-l2")  # (nb, L, 528) packed
+    g = unpack(grams.double(), 32)  # (nb, L, B, B)
+    k = g / g.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
+    return kernel_entropy(k).mean(0)  # (L,)
+
+
+def stage_collect(t32, t16, samples, warmup):
+    work = lambda t: (lambda ids: _layer_entropy(t, ids))  # noqa: E731
+    times = _alternate({"float32": work(t32), "bfloat16": work(t16)}, samples, warmup)
+    timed = samples[warmup:]
+    tokens = sum(map(len, timed))
+    e32 = torch.stack([_layer_entropy(t32, ids) for ids in timed]).mean(0)
+    e16 = torch.stack([_layer_entropy(t16, ids) for ids in timed]).mean(0)
+    tps = {k: tokens / sum(v) for k, v in times.items()}
+    return {"samples": len(timed), "tokens": tokens, "tokens_per_s": tps, "speedup": tps["bfloat16"] / tps["float32"],
+            "layer_entropy_max_abs_diff_nats": float((e32 - e16).abs().max()),
+            "layer_entropy_float32": e32.tolist(), "layer_entropy_bfloat16": e16.tolist()}
+
+
+def stage_features(t32, t16, samples, warmup, layers):
+    times = _alternate({"float32": lambda ids: target_features(t32, [ids], layers),
+                        "bfloat16": lambda ids: target_features(t16, [ids], layers)}, samples, warmup)
+    timed = samples[warmup:]
+    rel, agree, n = [], 0, 0
+    for ids in timed:
+        (a32, f32, s32), = target_features(t32, [ids], layers)
+        (a16, f16, s16), = target_features(t16, [ids], layers)
+        rel.append(float((s16[1:].float() - s32[1:].float()).norm() / s32[1:].float().norm()))  # position 0 excluded
+        agree += int((a32 == a16).sum())
+        n += a32.numel()
+    tokens = sum(map(len, timed))
+    tps = {k: tokens / sum(v) for k, v in times.items()}
+    return {"samples": len(timed), "tokens": tokens, "layers": list(layers), "tokens_per_s": tps,
+            "speedup": tps["bfloat16"] / tps["float32"], "feature_relative_error_median": statistics.median(rel),
+            "feature_relative_error_max": max(rel), "argmax_agreement": agree / n}
+
+
+def stage_regen(t32, t16, batches, max_new):
+    out = {}
+    answers = {}
+    for name, t in (("float32", t32), ("bfloat16", t16)):
+        regenerate_batch(t, batches[0], 256, 8, turns=1)  # warm-up
+        t0 = time.perf_counter()
+        res = [regenerate_batch(t, b, 1024, max_new, turns=1) for b in batches]
+        dt = time.perf_counter() - t0
+        answers[name] = [s.messages[-1][1] for b in res for s in b]
+        ntok = sum(len(t.tokenizer(a)["input_ids"]) for a in answers[name])
+        out[name] = {"seconds": dt, "answer_tokens": ntok, "tokens_per_s": ntok / dt}
+    same = [a == b for a, b in zip(answers["float32"], answers["bfloat16"])]
+    first = []
+    for a, b in zip(answers["float32"], answers["bfloat16"]):
+        ta, tb = t32.tokenizer(a)["input_ids"], t32.tokenizer(b)["input_ids"]
+        if ta != tb:
+            first.append(next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb))))
+    return {"answers": len(same), "identical": int(sum(same)), "first_difference_token_median":
+            statistics.median(first) if first else None, "max_new_tokens": max_new, **out,
+            "speedup": out["bfloat16"]["tokens_per_s"] / out["float32"]["tokens_per_s"]}
+
+
+def stage_train(target, features_dir: str, layers: str, steps: int, batch_size: int, out_root: Path) -> dict:
+    """The same draft training run (same init, data order and steps) with float32 and bf16-autocast matmuls."""
+    from elsi.draft.features import FeatureStore
+    from elsi.draft.train import TrainConfig, train_draft
+
+    store = FeatureStore(features_dir)
+    out = {}
+    for dt in ("float32", "bfloat16"):
+        cfg = TrainConfig(layers=layers, out=str(out_root / f"train-{dt}"), max_steps=steps, time_budget="0",
+                          epochs=100.0, batch_size=batch_size, eval_every="0", checkpoint_every="0", restart=True,
+                          train_dtype=dt)
+        rec = train_draft(target, store, cfg, 0, torch.device("cpu"))
+        out[dt] = {"train_tokens_per_s": rec["train_tokens_per_s"], "train_seconds": rec["train_seconds"],
+                   "steps": rec["steps"], "heldout_match": rec["heldout"]["match"],
+                   "curve": [{k: c[k] for k in ("step", "loss", "acc")} for c in rec["curve"]]}
+        print(json.dumps({dt: {k: v for k, v in out[dt].items() if k != "curve"}}), file=sys.stderr)
+    return {"features_dir": features_dir, "layers": layers, "steps": steps, "batch_size": batch_size, **out,
+            "speedup": out["bfloat16"]["train_tokens_per_s"] / out["float32"]["train_tokens_per_s"],
+            "heldout_match_difference_depth1": out["bfloat16"]["heldout_match"][0] - out["float32"]["heldout_match"][0]}
+
+
+def compare_runs(a: Path, b: Path) -> dict:
+    ja, jb = (json.loads((p / "analysis.json").read_text()) for p in (a, b))
+    ea, eb = torch.tensor(ja["layer_entropy"]), torch.tensor(jb["layer_entropy"])
+    sel = {}
+    for p in (a, b):
+        s = json.loads((p / "selections.json").read_text()) if (p / "selections.json").exists() else {"results": []}
+        sel[str(p)] = {f"{r['method']}:{r['m']}": r["layers"] for r in s["results"]}
+    return {"runs": [str(a), str(b)], "layer_entropy_max_abs_diff_nats": float((ea - eb).abs().max()),
+            "argmax_layer": [int(ea.argmax()) + 1, int(eb.argmax()) + 1], "selections": sel}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--stages", nargs="*", default=["collect", "features", "regen"])
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", default="2,15,27")
+    ap.add_argument("--regen-batches", type=int, default=2, help="batches of 8 prompts")
+    ap.add_argument("--regen-new", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--compare-runs", nargs=2, default=None)
+    ap.add_argument("--features-dir", default="runs/features-sg400", help="train stage: a feature cache")
+    ap.add_argument("--train-steps", type=int, default=300)
+    ap.add_argument("--train-batch", type=int, default=1)
+    ap.add_argument("--out", default="bench/results/bf16.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = {"command": "python bench/bf16.py " + " ".join(sys.argv[1:]),
+           "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
+                       "load_average_start": os.getloadavg()},
+           "versions": package_versions(), "stages": {}}
+    if args.compare_runs:
+        res["compare_runs"] = compare_runs(*map(Path, args.compare_runs))
+    stages = [s for s in args.stages if s != "train"]
+    if stages:
+        t32 = load_target(args.model, "cpu", torch.float32)
+        t16 = load_target(args.model, "cpu", torch.bfloat16)
+        samples = _samples(t32, args.samples + args.warmup)
+        layers = [int(x) for x in args.layers.split(",")]
+        if "collect" in stages:
+            res["stages"]["collect"] = stage_collect(t32, t16, samples, args.warmup)
+            print(json.dumps({"collect": {k: v for k, v in res["stages"]["collect"].items() if "layer_entropy_" not in k or "diff" in k}}), file=sys.stderr)
+        if "features" in stages:
+            res["stages"]["features"] = stage_features(t32, t16, samples, args.warmup, layers)
+            print(json.dumps({"features": res["stages"]["features"]}), file=sys.stderr)
+        if "regen" in stages:
+            prompts = [s for s in load_dataset("sharegpt").samples
+                       if s.text is None and any(r == "user" for r, _ in s.messages)][: 8 * args.regen_batches]
+            batches = [prompts[i:i + 8] for i in range(0, len(prompts), 8)]
+            res["stages"]["regen"] = stage_regen(t32, t16, batches, args.regen_new)
+            print(json.dumps({"regen": res["stages"]["regen"]}), file=sys.stderr)
+    if "train" in args.stages:
+        t32 = load_target(args.model, "cpu", torch.float32)
+        res["stages"]["train"] = stage_train(t32, args.features_dir, args.layers, args.train_steps, args.train_batch,
+                                             Path("runs/bench-bf16"))
+    res["machine"]["load_average_end"] = os.getloadavg()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

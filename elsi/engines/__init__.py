@@ -1,0 +1,39 @@
+"""Bridges to the engines users serve and train drafts with: vLLM, SGLang, SpecForge, speculators.
+
+- ``rules``: each engine's rule for which target hidden states it feeds a draft (from their code);
+- ``configs``: the engine-facing keys elsi writes into a draft's ``config.json``, the per-engine
+  checks of a layer set, config fragments (``elsi export --layers``), drafts written by other tools;
+- ``speculators``: the speculators (vLLM) checkpoint format (``elsi export --format speculators``);
+- ``vllm``: Spec-Bench through vLLM's offline API in its own virtual environment (``elsi bench
+  --engine vllm``; ``vllm_worker`` is the script that runs there).
+"""
+
+from elsi.engines.configs import (
+    FORMATS,
+    check_exportable,
+    check_for_engine,
+    count_problems,
+    engine_keys,
+    engine_problems,
+    export_fragment,
+    foreign_draft_config,
+    stale_eagle_config,
+    warn_engines,
+)
+from elsi.engines.rules import ENGINES, EngineLoadError, engine_feed
+
+__all__ = [
+    "ENGINES",
+    "FORMATS",
+    "EngineLoadError",
+    "check_exportable",
+    "check_for_engine",
+    "count_problems",
+    "engine_feed",
+    "engine_keys",
+    "engine_problems",
+    "export_fragment",
+    "foreign_draft_config",
+    "stale_eagle_config",
+    "warn_engines",
+]

@@ -1,0 +1,281 @@
+"""Drafts as the real engines read them: layer numbering, fc_norm layout, other tools' drafts, export.
+
+Each engine's capture rule (``elsi.engines.rules``, cited from vLLM 0.32, SGLang 0.5 and SpecForge
+0.2) is applied to the ``config.json`` elsi writes: every engine must feed the draft exactly the HF
+``hidden_states`` it was trained on, or elsi must say it cannot. ``tests/test_vllm.py`` checks
+vLLM's rule against vLLM itself.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from elsi.cli import main
+from elsi.draft.model import DraftConfig, Eagle3Draft, random_draft
+from elsi.engines import ENGINES, count_problems, engine_feed, engine_problems, export_fragment, stale_eagle_config
+from elsi.engines.configs import upgrade_draft
+from elsi.engines.rules import EngineLoadError
+
+
+def _config(layers, n, fc_norm=False) -> dict:
+    return DraftConfig(layer_ids=tuple(layers), target_num_layers=n, target_hidden_size=64, hidden_size=64,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                       vocab_size=100, draft_vocab_size=50, fc_norm=fc_norm).to_json()
+
+
+# (N, layer set) -> engines that cannot serve it as trained ("count": only its layer count; "state": wrong states)
+CASES = [
+    (30, (2, 15, 27), {}),
+    (30, (5, 18, 27), {}),
+    (30, (1, 2, 29), {}),
+    (18, (2, 9, 15), {}),
+    (30, (18,), {"specforge": "count", "vllm": "count"}),
+    (30, (5, 27), {"specforge": "count", "vllm": "count"}),
+    (30, (5, 10, 18, 27), {"specforge": "count", "vllm": "count"}),
+    (30, (30,), {"specforge": "count", "vllm": "state", "sglang": "state"}),  # EAGLE-2's [N]: the normed final state
+    (30, (28, 29, 30), {"vllm": "state", "sglang": "state", "specforge": "state"}),
+    (30, (27, 2, 15), {"vllm": "state", "sglang": "state", "specforge": "state"}),  # engines concatenate in layer order
+]
+
+
+@pytest.mark.parametrize("n,layers,expected", CASES)
+def test_every_engine_feeds_the_states_the_draft_was_trained_on(n, layers, expected):
+    cfg = _config(layers, n)
+    problems = engine_problems(layers, n)
+    counts = count_problems(len(layers))
+    for engine in ENGINES:
+        try:
+            fed = engine_feed(engine, cfg, n)
+        except EngineLoadError:
+            fed = None
+        kind = expected.get(engine)
+        if kind is None:
+            assert fed == tuple(layers), engine
+            assert engine not in problems and engine not in counts
+        elif kind == "state":
+            assert fed != tuple(layers), engine
+            assert engine in problems, engine
+        else:  # "count": the states are right where the engine loads the count at all
+            assert engine in counts, engine
+            assert fed is None or fed == tuple(layers), engine
+
+
+def test_engine_rules_match_the_engines_defaults_and_shifts():
+    n = 30
+    # no ids anywhere: vLLM and SGLang capture EAGLE-3's default (2, N//2, N-3); SpecForge's [1, N//2-1, N-4] + 1
+    assert engine_feed("vllm", {}, n) == engine_feed("sglang", {}, n) == engine_feed("specforge", {}, n) == (2, 15, 27)
+    # SGLang/SpecForge read only eagle_config, and add one
+    cfg = {"eagle_aux_hidden_state_layer_ids": [9, 9, 9], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
+    assert engine_feed("sglang", cfg, n) == engine_feed("specforge", cfg, n) == (2, 15, 27)
+    assert engine_feed("vllm", {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}, n) == (2, 15, 27)
+    # vLLM falls back to eagle_config's list *unshifted*: a config with only that list is one layer shallow there
+    assert engine_feed("vllm", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}, n) == (1, 14, 26)
+    with pytest.raises(EngineLoadError, match="exactly three"):
+        engine_feed("specforge", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14]}}, n)
+
+
+def test_config_carries_both_numberings_and_old_configs_are_detected_and_upgraded(tmp_path, tiny_target):
+    cfg = _config((2, 15, 27), 30)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    assert cfg["fc_norm"] is False and not stale_eagle_config(cfg)
+    # a draft written before the fix: eagle_config repeated the vLLM ids, SGLang captured every layer one deeper
+    draft = random_draft(tiny_target, [2, 4, 6], draft_vocab=40)
+    draft.save_pretrained(tmp_path)
+    old = json.loads((tmp_path / "config.json").read_text())
+    old["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 6]
+    del old["fc_norm"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert stale_eagle_config(old)
+    assert engine_feed("sglang", old, 8) == (3, 5, 7)
+    with pytest.warns(UserWarning, match="elsi upgrade-draft"):
+        Eagle3Draft.from_pretrained(tmp_path, tiny_target.adapter.embed_tokens(tiny_target.model), 8)
+    assert main(["upgrade-draft", "--draft", str(tmp_path)]) == 0
+    new = json.loads((tmp_path / "config.json").read_text())
+    assert not stale_eagle_config(new)
+    assert all(engine_feed(e, new, 8) == (2, 4, 6) for e in ENGINES)
+    assert upgrade_draft(tmp_path) == []  # idempotent
+
+
+def _rmsnorm(x, w, eps):
+    """RMSNorm as vLLM/SGLang/SpecForge apply it to each aux chunk (x * rsqrt(mean(x^2) + eps) * w)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_fc_norm_is_stored_per_layer_as_eagle31_and_computes_the_engines_formula(tmp_path, tiny_target):
+    from elsi.draft.model import config_for_target, init_weights
+
+    cfg = config_for_target(tiny_target, (2, 4, 6), draft_vocab_size=tiny_target.model.config.vocab_size, fc_norm=True)
+    draft = Eagle3Draft(cfg, tiny_target.adapter.embed_tokens(tiny_target.model))
+    init_weights(draft, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        draft.fc_norm.copy_(torch.rand(draft.fc_norm.shape, generator=torch.Generator().manual_seed(1)) + 0.5)
+    draft.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert "fc_norm" not in tensors
+    assert [tuple(tensors[f"fc_norm.{i}.weight"].shape) for i in range(3)] == [(32,)] * 3
+    assert json.loads((tmp_path / "config.json").read_text())["fc_norm"] is True
+    aux = torch.randn(1, 5, 3 * 32, generator=torch.Generator().manual_seed(2)) * 7
+    chunks = aux.chunk(3, dim=-1)
+    ref = torch.cat([_rmsnorm(c, tensors[f"fc_norm.{i}.weight"], cfg.rms_norm_eps) for i, c in enumerate(chunks)], -1)
+    ref = ref @ tensors["fc.weight"].T  # (1, 5, d): the engines' fc(cat(norm_i(chunk_i)))
+    back = Eagle3Draft.from_pretrained(tmp_path, tiny_target.adapter.embed_tokens(tiny_target.model), 8)
+    torch.testing.assert_close(back.fuse(aux), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(back.fuse(aux), draft.fuse(aux))
+
+
+def _foreign_copy(src, dst, mode: str) -> None:
+    """Rewrite an elsi draft as another tool would: SpecForge (eagle_config in SGLang numbering, midlayer.*,
+    its own embed_tokens) or speculators (layers.0.*, transformer_layer_config, top-level ids)."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    ids = cfg.pop("eagle_aux_hidden_state_layer_ids")
+    del cfg["elsi"]
+    if mode == "specforge":
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]}
+        out = cfg
+    else:
+        layer = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                      "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                                      "hidden_act", "rope_theta")}
+        out = {"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": ids,
+               "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg["target_hidden_size"],
+               "transformer_layer_config": layer}
+        tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in tensors.items()}
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(out))
+    return tensors
+
+
+@pytest.mark.parametrize("mode", ["specforge", "speculators"])
+def test_a_draft_from_another_tool_loads_from_the_standard_keys(tmp_path, tiny_target, mode):
+    embed = tiny_target.adapter.embed_tokens(tiny_target.model)
+    draft = random_draft(tiny_target, [2, 4, 6], draft_vocab=40, seed=3)
+    draft.save_pretrained(tmp_path / "elsi")
+    tensors = _foreign_copy(tmp_path / "elsi", tmp_path / mode, mode)
+    if mode == "specforge":
+        tensors["embed_tokens.weight"] = embed.weight.detach().clone()  # SpecForge saves the target's embeddings
+    save_file(tensors, str(tmp_path / mode / "model.safetensors"))
+    back = Eagle3Draft.from_pretrained(tmp_path / mode, embed, 8)
+    assert back.layer_ids == (2, 4, 6)
+    ids = torch.tensor([[5, 9, 11, 3]])
+    hidden = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(4)[None]
+    torch.testing.assert_close(back(ids, hidden, pos)[0], draft(ids, hidden, pos)[0])
+    with pytest.raises(ValueError, match="pass the target's number of layers"):
+        Eagle3Draft.from_pretrained(tmp_path / mode, embed)
+
+
+def test_a_config_that_is_no_eagle3_config_is_a_clear_error(tmp_path, tiny_target):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="neither an elsi draft nor an EAGLE3"):
+        Eagle3Draft.from_pretrained(tmp_path, tiny_target.adapter.embed_tokens(tiny_target.model), 8)
+
+
+def test_a_draft_for_another_target_is_refused(tmp_path, tiny_target):
+    from elsi.draft.model import check_fits_target
+
+    draft = random_draft(tiny_target, [2, 4, 6], draft_vocab=40)
+    draft.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["elsi"]["draft_config"]["target_num_layers"] = 40
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"records 40 layers \(the model has 8\)"):
+        Eagle3Draft.from_pretrained(tmp_path, tiny_target.adapter.embed_tokens(tiny_target.model), 8)
+    with pytest.raises(ValueError, match=r"hidden size 32 \(the model's is 64\)"):
+        check_fits_target(DraftConfig.from_json(cfg), 40, 64)
+
+
+def test_export_numbering_per_runtime():
+    v = export_fragment((27, 2, 15), 30, "vllm")
+    assert v["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    for fmt in ("sglang", "specforge"):
+        f = export_fragment((2, 15, 27), 30, fmt)
+        assert f["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 14, 26], "use_aux_hidden_state": True}
+        assert "id - 1" in f["_elsi_note"]
+    with pytest.raises(ValueError, match=r"\[30\] cannot be exported"):
+        export_fragment((2, 30), 30, "vllm")
+    with pytest.raises(ValueError, match=r"\[0\] cannot be exported"):
+        export_fragment((0, 5), 30, "sglang")
+    with pytest.raises(ValueError, match="SpecForge trains and exports exactly 3"):
+        export_fragment((2, 15), 30, "specforge")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        export_fragment((2, 15), 30, "vllm")
+        export_fragment((2, 15), 30, "sglang")
+    assert len(w) == 2 and all("vLLM" in str(x.message) and "hard-code" in str(x.message) for x in w)
+
+
+def test_export_cli_checks_before_writing(tmp_path, capsys):
+    assert main(["export", "--format", "speculators", "--layers", "2,15,27"]) == 2
+    assert "--draft DIR and --out" in capsys.readouterr().err
+    assert main(["export"]) == 2
+    assert "nothing to export" in capsys.readouterr().err
+
+
+def test_bench_engine_vllm_without_its_environment_fails_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ELSI_VLLM_PYTHON", str(tmp_path / "no-venv" / "python"))
+    monkeypatch.setattr("elsi.cli.decode.load_target", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["bench", "--engine", "vllm", "--model", str(tmp_path), "--questions-per-subtask", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no vLLM environment" in err and "make vllm" in err
+
+
+def test_bench_engine_vllm_refuses_a_draft_directory_vllm_would_misload(tmp_path, tiny_target, monkeypatch, capsys):
+    """vLLM loads every *.safetensors of a draft directory: a stray one (e.g. a checkpoint) is refused up front."""
+    model_dir = tmp_path / "model"
+    tiny_target.model.save_pretrained(model_dir)
+    tiny_target.tokenizer.save_pretrained(model_dir)
+    random_draft(tiny_target, [2, 4, 6], draft_vocab=40).save_pretrained(tmp_path / "draft")
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "draft" / "checkpoint.safetensors"))
+    python = tmp_path / "python"
+    python.write_text("")
+    monkeypatch.setenv("ELSI_VLLM_PYTHON", str(python))
+    monkeypatch.setattr("elsi.cli.decode.load_target", lambda *a, **k: pytest.fail("the model was loaded"))
+    argv = ["bench", "--engine", "vllm", "--model", str(model_dir), "--draft", str(tmp_path / "draft")]
+    assert main(argv) == 2
+    assert "['checkpoint.safetensors'] besides model.safetensors" in capsys.readouterr().err
+    (tmp_path / "draft" / "checkpoint.safetensors").unlink()
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())  # a draft on the final, normed state h_N
+    cfg["elsi"]["draft_config"]["layer_ids"] = [2, 4, 8]
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(cfg))
+    assert main(argv) == 2
+    assert "vllm cannot serve a draft over layers [2, 4, 8]" in capsys.readouterr().err
+
+
+def test_engine_summary_counts_emitted_tokens_and_keeps_vllms_counter():
+    """Both engines' τ = emitted tokens per verification step; vLLM's counter also counts drafts accepted past
+    the stop (here 2 extra on one question), which the agreement must not mistake for a drafting difference."""
+    from elsi.data.spec_bench import load_questions
+    from elsi.engines.vllm import VllmBenchConfig, summarize_engines, tau_agreement
+    from elsi.specbench.runner import Answer, BenchConfig
+
+    qs = load_questions(["qa", "rag"], 3)
+    answers, tokens = [], {}
+    for i, q in enumerate(qs):
+        new = 40 + i
+        steps = 20 + i
+        for method, k, acc in (("plain", None, new - 1), ("vllm_plain", None, new - 1), ("spec", 2, new - 1),
+                               ("vllm_spec", 2, new - 1 + (2 if i == 0 else 0))):
+            answers.append(Answer(q.question_id, q.subtask, method, 0.0, k, new, 1.0, steps if k else new - 1, acc,
+                                  {"vllm_accepted_pos0": 5.0, "vllm_accepted_pos1": 2.0} if method == "vllm_spec" else {}))
+            tokens[(method, k, q.question_id)] = list(range(new))
+    bench = BenchConfig(subtasks=["qa", "rag"], questions_per_subtask=3)
+    res = summarize_engines(answers, tokens, qs, VllmBenchConfig(spec_tokens=[2], bootstrap=200), bench)
+    row = res["tau_agreement"][0]
+    assert row["steps_equal"] == row["emitted_equal"] == 6
+    assert row["overall"]["diff"] == 0 and row["overall"]["agree"]
+    assert row["vllm_counter"]["diff"] > 0
+    spec = next(r for r in res["runs"] if r["method"] == "vllm_spec")
+    assert spec["overall"]["tau"] == pytest.approx(sum(39 + i for i in range(6)) / sum(20 + i for i in range(6)))
+    assert spec["overall"]["tau_vllm_counter"] > spec["overall"]["tau"]
+    assert spec["greedy_equal_vllm_plain"] == 6
+    # the bootstrap interval of a real difference excludes 0
+    far = tau_agreement([10] * 6, [10] * 6, [15] * 6, [10] * 6, 200)
+    assert far["diff"] == pytest.approx(0.5) and not far["agree"]

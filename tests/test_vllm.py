@@ -1,0 +1,177 @@
+"""elsi drafts served by vLLM itself (``make vllm`` builds its environment; ``make test`` requires it).
+
+Against SmolLM2-135M: the hidden states vLLM hands the draft are Hugging Face ``hidden_states`` at
+the draft's ids (not their neighbours), the draft's norms, head, vocabulary map and EAGLE-3.1
+``fc_norm`` weights load as elsi wrote them, greedy decoding with the draft equals vLLM's plain
+decoding and transformers ``generate``; a speculators copy (``elsi export --format speculators``)
+loads in the speculators library, matches what ``speculators convert`` writes (which drops fc_norm's
+weights), and serves the same.
+Without the environment the module is skipped, unless ELSI_REQUIRE_VLLM=1 (set by ``make test``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from elsi.engines.vllm import VllmWorker, vllm_python
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Name three primary colors.", "Write a haiku about the sea.", "What is 17 times 23?"]
+LAYERS = (2, 15, 27)
+
+
+@pytest.fixture(scope="module")
+def vpython():
+    try:
+        return vllm_python()
+    except FileNotFoundError as err:
+        if os.environ.get("ELSI_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from elsi.models import load_target
+
+    return load_target("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def draft_dir(smollm2, tmp_path_factory):
+    """A random EAGLE3 draft on LAYERS with fc_norm (random norm weights, so that loading them shows)."""
+    from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
+    from elsi.draft.vocab import vocab_maps
+
+    cfg = config_for_target(smollm2, LAYERS, draft_vocab_size=4096, fc_norm=True)
+    draft = Eagle3Draft(cfg, smollm2.adapter.embed_tokens(smollm2.model))
+    gen = torch.Generator().manual_seed(0)
+    init_weights(draft, gen)
+    with torch.no_grad():
+        for p in (draft.fc_norm, draft.norm.weight, draft.midlayer.hidden_norm.weight):
+            p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    draft.set_vocab(*vocab_maps(torch.arange(4096) * 3, cfg.vocab_size))  # a non-trivial d2t
+    path = tmp_path_factory.mktemp("draft") / "elsi"
+    draft.save_pretrained(path)
+    return path
+
+
+def _prompt_ids(target) -> list[list[int]]:
+    from elsi.specbench import encode_chat
+
+    return [encode_chat(target.tokenizer, [("user", p)]) for p in PROMPTS]
+
+
+def _greedy(worker: VllmWorker, target, max_tokens: int = 24) -> list[list[int]]:
+    from elsi.decode import stop_tokens
+
+    eos = sorted(stop_tokens(target.model, target.tokenizer))
+    return [worker.generate(ids, max_tokens, eos)["token_ids"] for ids in _prompt_ids(target)]
+
+
+@pytest.fixture(scope="module")
+def plain_answers(vpython, smollm2):
+    with VllmWorker(smollm2.source) as w:
+        return _greedy(w, smollm2)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error over positions 1.. (position 0's massive activations would swamp the norm)."""
+    return float((a[1:] - b[1:]).norm() / b[1:].norm())
+
+
+def _check_served(worker: VllmWorker, target, plain: list[list[int]], weights: dict) -> None:
+    ids = _prompt_ids(target)[0]
+    cap = worker.capture(ids)
+    assert tuple(cap["layer_ids"]) == LAYERS
+    with torch.no_grad():
+        hs = target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for lid, st in zip(LAYERS, cap["states"]):
+        st = torch.tensor(st)  # (T, d)
+        assert _rel(st, hs[lid][0]) < 1e-4, lid
+        assert min(_rel(st, hs[lid - 1][0]), _rel(st, hs[lid + 1][0])) > 0.1, lid  # the test can tell neighbours apart
+    # the draft as vLLM loaded it: norms, fc_norm, head and vocabulary map equal elsi's tensors
+    loaded = worker.draft_params()
+    names = {"model.layers.0.": "midlayer.", "model.": ""}
+    checked = 0
+    for name, (shape, total, sq) in loaded.items():
+        if name == "draft_id_to_target_id":
+            ref = weights["d2t"]
+        else:
+            key = next((name.replace(a, b, 1) for a, b in names.items() if name.startswith(a)), name)
+            ref = weights[key]
+        assert list(ref.shape) == shape, name
+        assert total == pytest.approx(float(ref.double().sum()), rel=1e-5, abs=1e-6), name
+        assert sq == pytest.approx(float(ref.double().pow(2).sum()), rel=1e-5, abs=1e-6), name
+        checked += 1
+    assert {f"model.fc_norm.{i}.weight" for i in range(3)} <= set(loaded) and checked >= 8
+    # lossless: greedy with the draft equals plain greedy, token for token
+    assert _greedy(worker, target) == plain
+
+
+def test_vllm_serves_an_elsi_draft_on_its_layers_and_decodes_losslessly(vpython, smollm2, draft_dir, plain_answers):
+    from elsi.decode import DecodeConfig, TargetRunner, generate, stop_tokens
+
+    eos = stop_tokens(smollm2.model, smollm2.tokenizer)
+    runner = TargetRunner.from_target(smollm2)
+    ours = [generate(runner, ids, DecodeConfig(max_new_tokens=24), eos_ids=eos).tokens for ids in _prompt_ids(smollm2)]
+    assert plain_answers == ours  # vLLM's plain greedy = elsi's (= HF generate, tests/test_decode_smollm2.py)
+    with VllmWorker(smollm2.source, draft_dir, k=3) as w:
+        _check_served(w, smollm2, plain_answers, load_file(str(draft_dir / "model.safetensors")))
+
+
+def _in_vllm_env(vpython, code: str) -> str:
+    out = subprocess.run([str(vpython), "-P", "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_speculators_export_equals_speculators_convert_and_serves_the_same(vpython, smollm2, draft_dir,
+                                                                          plain_answers, tmp_path):
+    from elsi.cli import main
+
+    out = tmp_path / "spec"
+    assert main(["export", "--format", "speculators", "--draft", str(draft_dir), "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(LAYERS) and cfg["fc_norm"] is True
+    # the speculators library reads it, and its own converter (with the layer-id kwarg) writes the same
+    ref = tmp_path / "ref"
+    convert = vpython.parent / "speculators"
+    res = subprocess.run([str(convert), "convert", str(draft_dir), "--algorithm", "eagle3", "--verifier",
+                          str(smollm2.source), "--output-path", str(ref), "--algorithm-kwargs",
+                          json.dumps({"eagle_aux_hidden_state_layer_ids": list(LAYERS), "fc_norm": True})],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    loaded = _in_vllm_env(vpython, f"""
+import json
+from speculators.models.eagle3 import Eagle3SpeculatorConfig
+c = Eagle3SpeculatorConfig.from_pretrained({str(out)!r})
+print(json.dumps({{"ids": c.eagle_aux_hidden_state_layer_ids, "fc_norm": c.fc_norm, "vocab": c.draft_vocab_size,
+                  "hidden": c.transformer_layer_config.hidden_size, "verifier": c.speculators_config.verifier.name_or_path}}))
+""")
+    got = json.loads(loaded.strip().splitlines()[-1])
+    assert got == {"ids": list(LAYERS), "fc_norm": True, "vocab": 4096, "hidden": 576, "verifier": str(smollm2.source)}
+    theirs, ours = json.loads((ref / "config.json").read_text()), cfg
+    for key in ("speculators_model_type", "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+                "fc_norm", "norm_before_fc", "norm_before_residual", "norm_output", "architectures"):
+        assert ours[key] == theirs[key], key
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "rms_norm_eps", "rope_parameters", "max_position_embeddings", "model_type"):
+        assert ours["transformer_layer_config"][key] == theirs["transformer_layer_config"][key], key
+    assert ours["speculators_config"]["algorithm"] == theirs["speculators_config"]["algorithm"]
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    # speculators 0.9's converter loads into a legacy module without fc_norm and drops those weights
+    # (it logs them as unexpected keys); ours keeps them, and vLLM loads them (checked below)
+    assert set(b) <= set(a) and set(a) - set(b) == {f"fc_norm.{i}.weight" for i in range(3)}
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    # vLLM serves the speculators copy like the original
+    weights = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in a.items()}
+    with VllmWorker(smollm2.source, out, k=3) as w:
+        _check_served(w, smollm2, plain_answers, weights)
