@@ -85,6 +85,7 @@ def main() -> None:
         "train_tokens": rec["data"]["train_tokens"],
         "draft_vocab_coverage": rec["data"]["draft_vocab_coverage"],
         "train_tokens_per_s": rec["train_tokens_per_s"],
+        "train_matmul_dtype": rec.get("train_matmul_dtype", "float32"),
         "train_seconds": rec["train_seconds"],
         "steps": rec["steps"],
         "epochs": rec["epochs"],
