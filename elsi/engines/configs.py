@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from elsi.engines.rules import ENGINES, EngineLoadError, engine_feed
+from elsi.engines.rules import ENGINES, EngineLoadError, default_ids, eagle_config_ids, engine_feed
 
 FORMATS = ("vllm", "sglang", "specforge")  # config fragments (``elsi export --layers``)
 
@@ -184,19 +184,12 @@ def foreign_layer_ids(obj: dict, num_layers: int) -> tuple[int, ...]:
     speculators and vLLM-style configs: the top-level list (vLLM numbering); SpecForge/SGLang:
     ``eagle_config``'s list + 1; neither: EAGLE-3's default (2, N//2, N-3).
     """
-    from elsi.engines.rules import default_ids
-
     if obj.get("eagle_aux_hidden_state_layer_ids"):
         return tuple(int(i) for i in obj["eagle_aux_hidden_state_layer_ids"])
-    lst = _eagle_list_of(obj)
+    lst = eagle_config_ids(obj)
     if lst:
         return tuple(int(j) + 1 for j in lst)
     return default_ids(num_layers)
-
-
-def _eagle_list_of(obj: dict) -> list[int] | None:
-    lst = (obj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return list(lst) if lst else None
 
 
 def foreign_draft_config(obj: dict, num_layers: int, target_hidden_size: int) -> dict:

@@ -36,7 +36,8 @@ def default_ids(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-def _eagle_list(config: dict) -> list[int] | None:
+def eagle_config_ids(config: dict) -> list[int] | None:
+    """``eagle_config.eagle_aux_hidden_state_layer_ids`` of a config, or None."""
     lst = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return list(lst) if lst else None
 
@@ -45,7 +46,7 @@ def _fc_slots(config: dict) -> int:
     """Input slots of ``fc`` as vLLM and SGLang size it: num_aux_hidden_states, the list's length, or 3."""
     n = config.get("num_aux_hidden_states")
     if n is None:
-        lst = _eagle_list(config)
+        lst = eagle_config_ids(config)
         n = len(lst) if lst else 3
     return int(n)
 
@@ -58,14 +59,14 @@ def _fit(engine: str, fed: list[int | None], slots: int) -> tuple[int | None, ..
 
 def vllm_feed(config: dict, num_layers: int) -> tuple[int | None, ...]:
     """HF ``hidden_states`` ids vLLM feeds the draft's ``fc``, slot by slot."""
-    ids = config.get("eagle_aux_hidden_state_layer_ids") or _eagle_list(config) or list(default_ids(num_layers))
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or eagle_config_ids(config) or list(default_ids(num_layers))
     captured = sorted({int(k) for k in ids if 0 <= int(k) <= num_layers})  # the hook fires once per layer, in order
     return _fit("vLLM", [k if k < num_layers else None for k in captured], _fc_slots(config))
 
 
 def sglang_feed(config: dict, num_layers: int) -> tuple[int | None, ...]:
     """HF ``hidden_states`` ids SGLang feeds the draft's ``fc``, slot by slot."""
-    lst = _eagle_list(config)
+    lst = eagle_config_ids(config)
     inputs_of = [j + 1 for j in lst] if lst else list(default_ids(num_layers))  # layers whose input is captured
     captured = sorted({i for i in inputs_of if 0 <= i < num_layers})
     return _fit("SGLang", captured, _fc_slots(config))
@@ -73,7 +74,7 @@ def sglang_feed(config: dict, num_layers: int) -> tuple[int | None, ...]:
 
 def specforge_feed(config: dict, num_layers: int) -> tuple[int | None, ...]:
     """HF ``hidden_states`` ids SpecForge trains the draft's ``fc`` on (captured through SGLang)."""
-    lst = _eagle_list(config) or [1, num_layers // 2 - 1, num_layers - 4]
+    lst = eagle_config_ids(config) or [1, num_layers // 2 - 1, num_layers - 4]
     if len(lst) != 3 or any(j < 0 for j in lst):
         raise EngineLoadError(f"SpecForge needs exactly three non-negative layer ids, got {lst}")
     return _fit("SpecForge", sorted({j + 1 for j in lst if j + 1 < num_layers}), 3)
@@ -89,4 +90,4 @@ def engine_feed(engine: str, config: dict, num_layers: int) -> tuple[int | None,
     return FEEDS[engine](config, num_layers)
 
 
-__all__ = ["ENGINES", "EngineLoadError", "default_ids", "engine_feed", "sglang_feed", "specforge_feed", "vllm_feed"]
+__all__ = ["ENGINES", "EngineLoadError", "default_ids", "eagle_config_ids", "engine_feed", "sglang_feed", "specforge_feed", "vllm_feed"]
