@@ -75,19 +75,17 @@ def generate_cmd(args: GenerateArgs, dcfg: DecodeConfig, tree: TreeConfig, rt: R
     return 0
 
 
-def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime) -> int:
-    """``elsi bench --engine vllm``: every check that needs no model comes first."""
-    from elsi.draft.model import read_draft_config
+def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime, draft_cfg) -> int:
+    """``elsi bench --engine vllm``: every check that needs no model comes first (``draft_cfg``: the
+    draft's ``DraftConfig``, already checked against the model by ``check_draft_spec``)."""
     from elsi.engines import check_for_engine
     from elsi.engines.vllm import agreement_rows, engine_rows, run_vllm_bench, vllm_python, write_results
-    from elsi.models import model_shape
 
     python = vllm_python()
     if cfg.draft in ("random", "target"):
         raise ValueError(f"--engine vllm serves a draft directory, not --draft {cfg.draft}")
-    if cfg.draft:
-        n, d = model_shape(cfg.model, rt.trust_remote_code)
-        check_for_engine(read_draft_config(cfg.draft, n, d).layer_ids, n, "vllm")
+    if draft_cfg is not None:
+        check_for_engine(draft_cfg.layer_ids, draft_cfg.target_num_layers, "vllm")
         extra = sorted(p.name for p in Path(cfg.draft).glob("*.safetensors") if p.name != "model.safetensors")
         if extra:
             raise ValueError(f"--draft {cfg.draft} holds {extra} besides model.safetensors: vLLM loads every "
@@ -117,9 +115,9 @@ def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime) -> int:
 
 
 def bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime) -> int:
-    check_draft_spec(cfg.draft, cfg.model, rt.trust_remote_code)  # a draft for another target fails before loading
+    draft_cfg = check_draft_spec(cfg.draft, cfg.model, rt.trust_remote_code)  # another target's draft fails here
     if vcfg.engine == "vllm":
-        return vllm_bench_cmd(cfg, vcfg, rt)
+        return vllm_bench_cmd(cfg, vcfg, rt, draft_cfg)
     device, dtype = rt.setup()
     target = load_target(cfg.model, device, dtype, rt.trust_remote_code)
     drafter, info = load_drafter(cfg.draft, target, cfg.seed)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from elsi.config import opt
 from elsi.cli.common import Command
+from elsi.decode.drafters import check_draft_spec
 from elsi.engines import FORMATS, check_for_engine, export_fragment
 from elsi.engines.configs import upgrade_draft
-from elsi.models import DEFAULT_MODEL, model_num_layers, model_shape, resolve_model
+from elsi.models import DEFAULT_MODEL, model_num_layers, resolve_model
 from elsi.select import chosen_layers
 from elsi.stats.analysis import parse_layers
 
@@ -42,19 +43,10 @@ class ExportArgs:
             raise ValueError("nothing to export: give --layers IDS (or 'chosen' with --run) or --draft DIR")
 
 
-def _draft_layers(draft: str, model: str) -> tuple[int, ...]:
-    from elsi.draft.model import check_fits_target, read_draft_config
-
-    n, d = model_shape(model)
-    cfg = read_draft_config(draft, n, d)
-    check_fits_target(cfg, n, d, where=f"draft {draft}")
-    return cfg.layer_ids
-
-
 def export(args: ExportArgs) -> int:
     n = model_num_layers(args.model)
     if args.draft:
-        layers = _draft_layers(args.draft, args.model)
+        layers = check_draft_spec(args.draft, args.model).layer_ids
     elif args.layers == "chosen":
         if not args.run:
             raise ValueError("--layers chosen needs --run RUN_DIR")

@@ -180,13 +180,14 @@ def load_drafter(spec: str, target, seed: int = 0) -> tuple[EagleDrafter | LMDra
     return EagleDrafter(draft), {"draft": str(path), "kind": "trained EAGLE3 draft", "layer_ids": list(draft.layer_ids)}
 
 
-def check_draft_spec(spec: str, model: str, trust_remote_code: bool = False) -> None:
+def check_draft_spec(spec: str, model: str, trust_remote_code: bool = False):
     """Before any model loads: a draft directory's config must parse and fit ``model``'s config
-    (its layer count and hidden size), or a ValueError/FileNotFoundError naming both."""
+    (its layer count and hidden size), or a ValueError/FileNotFoundError naming both. Returns the
+    draft's ``DraftConfig`` (None for "", "target" and "random")."""
     from pathlib import Path
 
     if spec in ("", "target", "random"):
-        return
+        return None
     path = Path(spec)
     if not path.is_dir():
         raise FileNotFoundError(f"--draft {spec!r}: not a draft directory (nor 'random' or 'target')")
@@ -194,4 +195,6 @@ def check_draft_spec(spec: str, model: str, trust_remote_code: bool = False) -> 
     from elsi.models import model_shape
 
     n, d = model_shape(model, trust_remote_code)
-    check_fits_target(read_draft_config(path, n, d), n, d, where=f"draft {path}")
+    cfg = read_draft_config(path, n, d)
+    check_fits_target(cfg, n, d, where=f"draft {path}")
+    return cfg
