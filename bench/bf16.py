@@ -13,6 +13,10 @@ warm-up excluded, medians reported):
 - ``train``: draft training steps from the same initial weights on the same conversations, fp32
   against ``--train-dtype bfloat16`` autocast (fp32 master weights): scored tokens/s and both loss
   curves (step by step) and their held-out match after the same number of steps.
+- ``analyze``: the whole main job, ``elsi analyze`` (``--analyze-samples``, default 200, as ``make run``)
+  then ``elsi select --method all``, once with ``--dtype float32`` and once with ``bfloat16``, each
+  from an empty run directory in a subprocess: wall time and tokens/s of each, then
+  ``--compare-runs`` of the two (entropy differences, every method's selections).
 ``--compare-runs FP32_RUN BF16_RUN``: two finished ``elsi analyze`` runs (``--dtype float32`` and
 ``bfloat16``): per-layer entropy differences and each run's ELSI m=3 set.
 
@@ -147,6 +151,32 @@ def stage_train(target, features_dir: str, layers: str, steps: int, batch_size: 
             "heldout_match_difference_depth1": out["bfloat16"]["heldout_match"][0] - out["float32"]["heldout_match"][0]}
 
 
+def stage_analyze(model: str, samples: int, threads: int, root: Path) -> dict:
+    """The main job (analyze + select) in fp32 and in bf16, each from scratch in its own process."""
+    import shutil
+    import subprocess
+
+    elsi = [sys.executable, "-m", "elsi"]
+    out, runs = {}, {}
+    for dt in ("float32", "bfloat16"):
+        run = root / f"analyze-{dt}"
+        shutil.rmtree(run, ignore_errors=True)
+        t0 = time.perf_counter()
+        subprocess.run(elsi + ["analyze", "--model", model, "--samples", str(samples), "--dtype", dt,
+                               "--out", str(run)] + (["--threads", str(threads)] if threads else []), check=True)
+        t1 = time.perf_counter()
+        subprocess.run(elsi + ["select", "--run", str(run), "--method", "all"], check=True, stdout=subprocess.DEVNULL)
+        t2 = time.perf_counter()
+        man = json.loads((run / "manifest.json").read_text())
+        out[dt] = {"analyze_wall_s": t1 - t0, "select_wall_s": t2 - t1, "tokens_seen": man["counts"]["tokens_seen"],
+                   "tokens_per_s": man["counts"]["tokens_seen"] / (t1 - t0)}
+        runs[dt] = run
+        print(json.dumps({dt: out[dt]}), file=sys.stderr)
+    return {"samples": samples, "note": "wall time of the whole command (model load and statistics included)", **out,
+            "speedup": out["bfloat16"]["tokens_per_s"] / out["float32"]["tokens_per_s"],
+            **compare_runs(runs["float32"], runs["bfloat16"])}
+
+
 def compare_runs(a: Path, b: Path) -> dict:
     ja, jb = (json.loads((p / "analysis.json").read_text()) for p in (a, b))
     ea, eb = torch.tensor(ja["layer_entropy"]), torch.tensor(jb["layer_entropy"])
@@ -155,7 +185,8 @@ def compare_runs(a: Path, b: Path) -> dict:
         s = json.loads((p / "selections.json").read_text()) if (p / "selections.json").exists() else {"results": []}
         sel[str(p)] = {f"{r['method']}:{r['m']}": r["layers"] for r in s["results"]}
     return {"runs": [str(a), str(b)], "layer_entropy_max_abs_diff_nats": float((ea - eb).abs().max()),
-            "argmax_layer": [int(ea.argmax()) + 1, int(eb.argmax()) + 1], "selections": sel}
+            "argmax_layer": [int(ea.argmax()) + 1, int(eb.argmax()) + 1], "selections": sel,
+            "selections_differing": sorted(k for k in sel[str(a)] if sel[str(a)][k] != sel[str(b)].get(k))}
 
 
 def main() -> int:
@@ -169,6 +200,7 @@ def main() -> int:
     ap.add_argument("--regen-new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--compare-runs", nargs=2, default=None)
+    ap.add_argument("--analyze-samples", type=int, default=200, help="analyze stage: --samples of elsi analyze")
     ap.add_argument("--features-dir", default="runs/features-sg400", help="train stage: a feature cache")
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--train-batch", type=int, default=1)
@@ -182,7 +214,7 @@ def main() -> int:
            "versions": package_versions(), "stages": {}}
     if args.compare_runs:
         res["compare_runs"] = compare_runs(*map(Path, args.compare_runs))
-    stages = [s for s in args.stages if s != "train"]
+    stages = [s for s in args.stages if s not in ("train", "analyze")]
     if stages:
         t32 = load_target(args.model, "cpu", torch.float32)
         t16 = load_target(args.model, "cpu", torch.bfloat16)
@@ -200,6 +232,8 @@ def main() -> int:
             batches = [prompts[i:i + 8] for i in range(0, len(prompts), 8)]
             res["stages"]["regen"] = stage_regen(t32, t16, batches, args.regen_new)
             print(json.dumps({"regen": res["stages"]["regen"]}), file=sys.stderr)
+    if "analyze" in args.stages:
+        res["stages"]["analyze"] = stage_analyze(args.model, args.analyze_samples, args.threads, Path("runs/bench-bf16"))
     if "train" in args.stages:
         t32 = load_target(args.model, "cpu", torch.float32)
         res["stages"]["train"] = stage_train(t32, args.features_dir, args.layers, args.train_steps, args.train_batch,

@@ -190,3 +190,41 @@ def test_collection_on_tiny_gemma3(tiny_data, tmp_path):
     assert run.num_layers == 4 and run.packed.shape[1:] == (5, 36)
     assert man["counts"]["samples_used"] == 3
     assert 0 < run.entropy((1, 4)).normalized <= 1
+
+
+def test_a_run_begun_in_float32_is_not_finished_in_bf16(tiny_target, tiny_data, tmp_path):
+    """Resuming with the target in another precision would mix two precisions' Grams: a clear error, nothing lost."""
+    import copy
+    import dataclasses
+
+    ds = load_dataset(str(tiny_data))
+    run_dir = tmp_path / "r"
+
+    def ctrl_c_after_2(p):
+        if p.samples_done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        collect(tiny_target, ds, _cfg(tiny_data), run_dir, on_progress=ctrl_c_after_2, flush_every=100)
+    assert json.loads((run_dir / MANIFEST).read_text())["target_dtype"] == "float32"
+    bf16 = dataclasses.replace(tiny_target, model=copy.deepcopy(tiny_target.model).to(torch.bfloat16))
+    with pytest.raises(RunError, match=r"partly collected with the target in float32.*bfloat16.*--dtype float32"):
+        collect(bf16, ds, _cfg(tiny_data), run_dir)
+    shards = list((run_dir / "shards").glob("rank-0/shard-*.safetensors"))
+    assert len(shards) == 1  # the finished samples are still there
+    man = collect(tiny_target, ds, _cfg(tiny_data), run_dir)  # ... and the same precision finishes the run
+    assert man["status"] == "complete" and man["target_dtype"] == "float32"
+
+
+def test_dtype_auto_is_bf16_for_bulk_passes_only_where_bf16_is_native(monkeypatch):
+    import elsi.models.adapters as adapters
+    from elsi.cli.common import Runtime
+
+    monkeypatch.setattr(adapters, "fast_bf16", lambda device: (True, "test: native"))
+    assert Runtime(device="cpu").setup(bulk=True)[1] == torch.bfloat16  # analyze, train-draft
+    assert Runtime(device="cpu").setup()[1] == torch.float32  # decoding and evaluation
+    assert Runtime(device="cpu", dtype="float32").setup(bulk=True)[1] == torch.float32
+    monkeypatch.setattr(adapters, "fast_bf16", lambda device: (False, "CPU: AMX tiles False, AVX512-BF16 False"))
+    assert Runtime(device="cpu").setup(bulk=True)[1] == torch.float32
+    with pytest.warns(UserWarning, match="emulates bf16"):
+        assert Runtime(device="cpu", dtype="bfloat16").setup(bulk=True)[1] == torch.bfloat16

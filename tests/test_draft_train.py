@@ -306,6 +306,42 @@ def test_ttt_loss_equals_naive_per_row_reference(target, store):
     assert float(loss) == pytest.approx(total, rel=1e-4)
 
 
+def test_soft_cross_entropy_value_and_gradient_equal_log_softmax_reference():
+    """The fused loss against -(p * log_softmax(z)).sum(-1): value and gradient, float32 and bf16 logits."""
+    from elsi.draft.train import SoftCrossEntropy
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 7, 50, generator=gen) * 4
+    p = torch.softmax(torch.randn(3, 7, 50, generator=gen) * 3, -1)
+    w = torch.rand(3, 7, generator=gen)  # per-row weights, as the masked mean applies
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
+        a = z.to(dtype).clone().requires_grad_()
+        b = z.to(dtype).float().clone().requires_grad_()  # the same (rounded) logits, reference in float32
+        ce = SoftCrossEntropy.apply(a, p)[0]
+        ref = -(p * torch.log_softmax(b, -1)).sum(-1)
+        assert ce.dtype == torch.float32
+        torch.testing.assert_close(ce, ref, rtol=tol, atol=tol)
+        (ce * w).sum().backward()
+        (ref * w).sum().backward()
+        assert a.grad.dtype == dtype
+        torch.testing.assert_close(a.grad.float(), b.grad.to(dtype).float(), rtol=1e-2 if dtype != torch.float32
+                                   else 1e-5, atol=1e-6)
+    x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    q = torch.softmax(torch.randn(4, 9, dtype=torch.float64), -1)
+    assert torch.autograd.gradcheck(lambda t: SoftCrossEntropy.apply(t, q)[0], (x,))
+
+
+def test_soft_cross_entropy_top1_is_argmax_including_ties():
+    from elsi.draft.train import SoftCrossEntropy
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randint(0, 6, (5, 40, 30), generator=gen).float()  # small integers: many tied maxima
+    assert bool(((logits == logits.amax(-1, keepdim=True)).sum(-1) > 1).any())  # ties really occur
+    p = torch.full_like(logits, 1 / 30)
+    for z in (logits, logits.bfloat16()):
+        assert torch.equal(SoftCrossEntropy.apply(z, p)[1], logits.argmax(-1))
+
+
 def test_frozen_head_stays_at_the_targets_rows(target, store, tmp_path):
     from elsi.draft.train import target_head_rows
 

@@ -48,7 +48,7 @@ def analysis_problem(run_dir: Path, acfg: AnalysisConfig) -> str | None:
 
 def analyze(ccfg: CollectConfig, acfg: AnalysisConfig, dest: AnalyzeOutput, rt: Runtime) -> int:
     check_inputs(ccfg.model, ccfg.data)  # a bad --model or --data fails here, before anything loads
-    device, dtype = rt.setup()
+    device, dtype = rt.setup(bulk=True)
     run_dir = run_dir_for(dest.out, ccfg.model)
     main = is_main_process()
     man = existing_run(run_dir, ccfg)

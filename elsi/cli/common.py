@@ -37,13 +37,17 @@ class Runtime:
 
     device: str = opt("auto", "cuda, cpu, or auto (CUDA when present; under torchrun: cuda:LOCAL_RANK)")
     device_map: str = opt("", "Hugging Face device map for a target larger than one device, e.g. auto")
-    dtype: str = opt("float32", "weights dtype of the target", choices=tuple(DTYPES))
+    dtype: str = opt("auto", "weights dtype of the target; auto: bfloat16 for the bulk passes over calibration and "
+                             "training data (analyze, train-draft) where the device multiplies bf16 natively "
+                             "(AMX/AVX512-BF16 CPUs, CUDA >= sm80), float32 otherwise and for decoding and "
+                             "evaluation, whose one-token steps bf16 slows down", choices=("auto", *DTYPES))
     threads: int = opt(0, "CPU threads for torch (0 = torch's default)")
     trust_remote_code: bool = opt(False, "allow model code from the hub (off unless asked)")
 
-    def setup(self) -> tuple[torch.device, torch.dtype]:
+    def setup(self, bulk: bool = False) -> tuple[torch.device, torch.dtype]:
         """Resolve device and dtype once at the entry point; join torchrun's process group;
-        quiet library chatter."""
+        quiet library chatter. ``bulk``: the command's target work is long-sequence forwards (where
+        ``--dtype auto`` takes bf16 on fast hardware), not decoding."""
         if self.threads > 0:
             torch.set_num_threads(self.threads)
         device = resolve_device(self.device)
@@ -60,10 +64,12 @@ class Runtime:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        if self.dtype == "bfloat16":
+        if self.dtype in ("bfloat16", "auto"):
             from elsi.models.adapters import fast_bf16
 
             fast, why = fast_bf16(device)
+            if self.dtype == "auto":
+                return device, torch.bfloat16 if bulk and fast else torch.float32
             if not fast:
                 warnings.warn(f"--dtype bfloat16: {why}; PyTorch emulates bf16 products there, several times slower "
                               "than float32 (use --dtype float32 unless memory is the limit)", stacklevel=2)

@@ -22,7 +22,7 @@ from elsi.models import load_target
 def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
     """Under torchrun: rank 0 builds the feature cache, every rank trains its share (DDP), rank 0 prints."""
     check_inputs(fcfg.model, fcfg.data)  # a bad --model or --data fails here, before anything loads
-    device, dtype = rt.setup()
+    device, dtype = rt.setup(bulk=True)
     main = is_main_process()
     torch.manual_seed(fcfg.seed)  # the one global seed (HF internals); the draft's own randomness is injected
     target = load_target(fcfg.model, device, dtype, rt.trust_remote_code)

@@ -50,7 +50,7 @@ from elsi.collect.store import RunError, load_tensors, save_tensors
 from elsi.config import opt
 from elsi.draft.features import FeatureStore, split_samples
 from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
-from elsi.draft.vocab import build_vocab
+from elsi.draft.vocab import build_vocab, target_to_draft
 from elsi.models.load import Target
 
 # In a subdirectory: vLLM and SGLang load every *.safetensors file at the top of a draft directory.
@@ -138,6 +138,7 @@ class Batch:
     argmax: torch.Tensor  # (B, T) target greedy token (target id) at positions 1..T
     valid: torch.Tensor  # (B, T) bool: position 1+i exists (and is scored)
     in_vocab: torch.Tensor  # (B, T) bool: the target's greedy token there is in the draft vocabulary
+    want_draft: torch.Tensor  # (B, T) that token's draft id, -1 where it is outside the draft vocabulary
 
 
 @dataclass
@@ -154,18 +155,21 @@ class LabelHead:
     softcap: float | None  # the target's final logit soft-capping, if any
 
     @classmethod
-    def build(cls, target: Target, vocab_ids: torch.Tensor, device: torch.device) -> LabelHead:
+    def build(cls, target: Target, vocab_ids: torch.Tensor, device: torch.device,
+              dtype: torch.dtype = torch.float32) -> LabelHead:
+        """``dtype``: of the head product (bfloat16 in bf16 training: float32 accumulation, logits rounded to
+        bf16 before a float32 softmax); held-out figures use float32."""
         head = target.model.get_output_embeddings()
         ids = vocab_ids.to(head.weight.device)
         bias = getattr(head, "bias", None)
         cap = getattr(target.model.config.get_text_config(), "final_logit_softcapping", None)
-        return cls(weight=head.weight.detach()[ids].float().to(device),  # (V_draft, d)
+        return cls(weight=head.weight.detach()[ids].to(device, dtype),  # (V_draft, d)
                    bias=None if bias is None else bias.detach()[ids].float().to(device), softcap=cap or None)
 
     @torch.no_grad()
     def probs(self, final: torch.Tensor) -> torch.Tensor:
         """final (..., d) LM-head inputs -> the target's distribution on the draft vocabulary (..., V_draft)."""
-        logits = final.to(self.weight.dtype) @ self.weight.T  # (..., V_draft)
+        logits = (final.to(self.weight.dtype) @ self.weight.T).float()  # (..., V_draft)
         if self.bias is not None:
             logits = logits + self.bias
         if self.softcap:
@@ -204,7 +208,8 @@ def make_batch(target: Target, samples: Sequence[dict], vocab_ids: torch.Tensor,
     t2d = t2d.to(device)
     return Batch(aux=aux.to(device), input_ids=ids.to(device),
                  position_ids=torch.arange(t, device=device).expand(b, t), probs=probs,
-                 argmax=argmax.to(device), valid=valid.to(device), in_vocab=t2d[argmax.to(device)])
+                 argmax=argmax.to(device), valid=valid.to(device), in_vocab=t2d[argmax.to(device)],
+                 want_draft=target_to_draft(argmax.to(device), t2d))
 
 
 @torch.no_grad()
@@ -257,6 +262,34 @@ def scored_counts(batch: Batch, steps: int) -> torch.Tensor:
     return torch.stack([inv[:, j:].sum() for j in range(steps)])  # (steps,)
 
 
+class SoftCrossEntropy(torch.autograd.Function):
+    """Per row, -Σ_v p_v log softmax(z)_v = logsumexp(z) - Σ_v p_v z_v (the labels ``p`` sum to 1), in float32,
+    and the row's top-1 index.
+
+    The same value and gradient, softmax(z) - p, as ``-(p * F.log_softmax(z)).sum(-1)``, in fewer passes
+    over the (rows, V_draft) tensors, which dominate a training step's non-matmul time: no log-probability
+    tensor is kept, the backward is one chain of in-place ops, and the top-1 comes from the float32 copy
+    the loss reads anyway (a bf16 argmax is several times slower). ``z`` may be bf16 (autocast): it is read
+    in float32 (float64 stays float64) and its gradient returned in its own dtype.
+    Returns (ce (...,) float32, top1 (...,) int64: ``z.argmax(-1)``, the first maximal index).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor):
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (..., V)
+        top, top1 = z.max(-1)  # (...,)
+        lse = (z - top.unsqueeze(-1)).exp_().sum(-1).log_().add_(top)  # (...,)
+        ctx.save_for_backward(logits, probs, lse)
+        ctx.mark_non_differentiable(top1)
+        return lse - torch.einsum("...v,...v->...", probs, z), top1
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _):
+        logits, probs, lse = ctx.saved_tensors
+        g = (logits.to(lse.dtype) - lse.unsqueeze(-1)).exp_().sub_(probs).mul_(grad.unsqueeze(-1))  # (..., V)
+        return g.to(logits.dtype), None
+
+
 def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int, decay: float = 0.8,
              denominators: torch.Tensor | None = None):
     """Weighted soft cross-entropy of the unrolled draft and per-step statistics.
@@ -280,15 +313,12 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int, decay: float = 0.8,
         probs = batch.probs[:, j:]  # (B, T-j, Vd)
         valid = batch.valid[:, j:]  # (B, T-j)
         inv = batch.in_vocab[:, j:] & valid  # (B, T-j)
-        want = batch.argmax[:, j:]  # (B, T-j)
-        logq = F.log_softmax(logits.float(), dim=-1)  # (B, T-j, Vd)
-        ce = -(probs * logq).sum(-1)  # (B, T-j)
+        ce, top1 = SoftCrossEntropy.apply(logits, probs)  # (B, T-j) float32, (B, T-j) draft ids
         n_in = inv.sum()
         denom = n_in if denominators is None else denominators[j]
         step_loss = (ce * inv).sum() / denom.clamp(min=1)
         total = total + decay**j * step_loss
-        with torch.no_grad():
-            hit = (draft.to_target_ids(logits.argmax(-1)) == want) & valid  # (B, T-j)
+        hit = (top1 == batch.want_draft[:, j:]) & valid  # (B, T-j): the draft's top-1 is the target's token
         stats.append({"loss": float(step_loss.detach()), "correct": int(hit.sum()), "scored": int(valid.sum()),
                       "correct_in_vocab": int((hit & inv).sum()), "in_vocab": int(n_in)})
     return total, stats, outs
@@ -552,7 +582,8 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
     if cfg.aux_scale:
         draft.set_aux_scale(feature_scale(store, train_idx, layer_pos))
     draft.to(device).train()
-    label_head = LabelHead.build(target, vocab_ids, device)
+    mm_dtype, warning = matmul_dtype(cfg.train_dtype, device)
+    label_head = LabelHead.build(target, vocab_ids, device, mm_dtype)  # training's soft labels
     # The fused kernel (CPU and CUDA): one pass over all weights instead of a loop per tensor; on
     # a CPU the optimizer step is a visible share of a one-conversation step.
     opt_ = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
@@ -598,10 +629,9 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
     def checkpoint() -> None:
         save_checkpoint(ck, draft, opt_, settings, state)
 
-    # Step 3: the loop. bf16 autocast covers the draft's forward (and so its backward); weights, AdamW and
-    # the loss (log-softmax in float32, ``ttt_loss``) stay float32; held-out figures are computed in float32,
-    # the precision the decoding engine drafts in.
-    mm_dtype, warning = matmul_dtype(cfg.train_dtype, device)
+    # Step 3: the loop. bf16 autocast covers the draft's forward (and so its backward), and the soft labels'
+    # head product is bf16 too (``label_head``); weights, AdamW and the loss (log-softmax and argmax in float32,
+    # ``ttt_loss``) stay float32; held-out figures are computed in float32, the precision the engine drafts in.
     if warning and on_progress and rank == 0:
         on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan, math.nan,
                              0.0, note=f"warning: {warning}"))
