@@ -17,6 +17,9 @@ warm-up excluded, medians reported):
   then ``elsi select --method all``, once with ``--dtype float32`` and once with ``bfloat16``, each
   from an empty run directory in a subprocess: wall time and tokens/s of each, then
   ``--compare-runs`` of the two (entropy differences, every method's selections).
+- ``profile``: where a bf16 draft-training step's time goes: ``--profile-steps`` steps of
+  ``ttt_loss`` + backward + AdamW on conversations of ``--features-dir`` under torch.profiler,
+  the operators' self time (share of the total).
 ``--compare-runs FP32_RUN BF16_RUN``: two finished ``elsi analyze`` runs (``--dtype float32`` and
 ``bfloat16``): per-layer entropy differences and each run's ELSI m=3 set.
 
@@ -177,6 +180,54 @@ def stage_analyze(model: str, samples: int, threads: int, root: Path) -> dict:
             **compare_runs(runs["float32"], runs["bfloat16"])}
 
 
+def stage_profile(target, features_dir: str, layers: str, steps: int) -> dict:
+    """Operator self times of bf16-autocast draft training steps (batch 1, ttt 1), after 3 warm-up steps."""
+    from torch.profiler import profile
+
+    from elsi.draft.features import FeatureStore
+    from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
+    from elsi.draft.train import LabelHead, make_batch, scored, ttt_loss
+    from elsi.draft.vocab import build_vocab
+
+    store = FeatureStore(features_dir)
+    ids = [int(x) for x in layers.split(",")]
+    pos = store.layer_index(ids)
+    vocab_ids, d2t, t2d, _ = build_vocab((store.argmax(i) for i in range(min(len(store), 400))),
+                                         int(target.adapter.embed_tokens(target.model).weight.shape[0]), 8192)
+    draft = Eagle3Draft(config_for_target(target, ids, draft_vocab_size=len(vocab_ids)),
+                        target.adapter.embed_tokens(target.model))
+    init_weights(draft, torch.Generator().manual_seed(0))
+    draft.set_vocab(d2t, t2d)
+    draft.train()
+    head = LabelHead.build(target, vocab_ids, torch.device("cpu"), torch.bfloat16)
+    opt_ = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    tokens = []
+
+    def step(i: int) -> None:
+        s = [store.sample(i, pos)]
+        batch = make_batch(target, s, vocab_ids, t2d, torch.device("cpu"), label_head=head, score=scored(s, "reply"))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _, _ = ttt_loss(draft, batch, 1)
+        opt_.zero_grad()
+        loss.backward()
+        opt_.step()
+        tokens.append(int(batch.input_ids.shape[1]))
+
+    for i in range(3):
+        step(i)
+    t0 = time.perf_counter()
+    with profile() as prof:
+        for i in range(3, 3 + steps):
+            step(i)
+    wall = time.perf_counter() - t0
+    ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ev)
+    return {"features_dir": features_dir, "steps": steps, "mean_tokens_per_step": statistics.mean(tokens[3:]),
+            "wall_ms_per_step_profiled": 1000 * wall / steps,
+            "ops": [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
+                     "share": e.self_cpu_time_total / total, "calls_per_step": e.count / steps} for e in ev[:20]]}
+
+
 def compare_runs(a: Path, b: Path) -> dict:
     ja, jb = (json.loads((p / "analysis.json").read_text()) for p in (a, b))
     ea, eb = torch.tensor(ja["layer_entropy"]), torch.tensor(jb["layer_entropy"])
@@ -204,6 +255,7 @@ def main() -> int:
     ap.add_argument("--features-dir", default="runs/features-sg400", help="train stage: a feature cache")
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--train-batch", type=int, default=1)
+    ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--out", default="bench/results/bf16.json")
     args = ap.parse_args()
     if args.threads:
@@ -214,7 +266,7 @@ def main() -> int:
            "versions": package_versions(), "stages": {}}
     if args.compare_runs:
         res["compare_runs"] = compare_runs(*map(Path, args.compare_runs))
-    stages = [s for s in args.stages if s not in ("train", "analyze")]
+    stages = [s for s in args.stages if s not in ("train", "analyze", "profile")]
     if stages:
         t32 = load_target(args.model, "cpu", torch.float32)
         t16 = load_target(args.model, "cpu", torch.bfloat16)
@@ -238,6 +290,11 @@ def main() -> int:
         t32 = load_target(args.model, "cpu", torch.float32)
         res["stages"]["train"] = stage_train(t32, args.features_dir, args.layers, args.train_steps, args.train_batch,
                                              Path("runs/bench-bf16"))
+    if "profile" in args.stages:
+        t32 = load_target(args.model, "cpu", torch.float32)
+        res["stages"]["profile"] = stage_profile(t32, args.features_dir, args.layers, args.profile_steps)
+        for o in res["stages"]["profile"]["ops"][:12]:
+            print(f"{o['share']:6.1%} {o['self_ms_per_step']:7.1f} ms/step  {o['op']}", file=sys.stderr)
     res["machine"]["load_average_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -317,7 +317,8 @@ def test_soft_cross_entropy_value_and_gradient_equal_log_softmax_reference():
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
         a = z.to(dtype).clone().requires_grad_()
         b = z.to(dtype).float().clone().requires_grad_()  # the same (rounded) logits, reference in float32
-        ce = SoftCrossEntropy.apply(a, p)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):  # as in training
+            ce = SoftCrossEntropy.apply(a, p)[0]
         ref = -(p * torch.log_softmax(b, -1)).sum(-1)
         assert ce.dtype == torch.float32
         torch.testing.assert_close(ce, ref, rtol=tol, atol=tol)

@@ -55,8 +55,8 @@ class FeatureConfig:
 
     model: str = opt("smollm2-135m", "target model: alias, HF directory, .gguf file or hub id")
     data: str = opt("sharegpt", "conversations: 'sharegpt', a ShareGPT .json or a .jsonl file")
-    samples: int = opt(2400, "number of conversations (train + held-out); ~2M tokens of ShareGPT at 1024, about "
-                             "what 20 minutes of training at ttt 1 on 2 CPU cores go through (1.3 epochs)")
+    samples: int = opt(4800, "number of conversations (train + held-out); ~4M tokens of ShareGPT at 1024, about "
+                             "what 20 minutes of bf16 training at ttt 1 on 2 AMX CPU cores go through (1.1 epochs)")
     max_tokens: int = opt(1024, "tokens per conversation (longer ones are cut)")
     seed: int = opt(0, "seed of the sample order; train-draft also draws the held-out split and the draft's "
                             "initialisation from it (elsi study: from --seeds)")
