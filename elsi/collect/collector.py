@@ -140,11 +140,6 @@ def grams_problem(run_dir: Path) -> str | None:
     return None
 
 
-def dtype_name(target: Target) -> str:
-    """The precision of the target's weights, e.g. 'bfloat16' (recorded in the manifest)."""
-    return str(next(target.model.parameters()).dtype).removeprefix("torch.")
-
-
 def start_manifest(run_dir: Path, cfg: CollectConfig, target: Target, fingerprint: dict | None = None) -> dict:
     """Create the manifest of a new run (removing the remains of an unusable one: a damaged Gram tensor)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +152,7 @@ def start_manifest(run_dir: Path, cfg: CollectConfig, target: Target, fingerprin
         "hidden_size": target.hidden_size,
         "layer_ids": "Hugging Face output_hidden_states: 0 = embeddings, l = output of decoder layer l-1",
         "settings": asdict(cfg),
-        "target_dtype": dtype_name(target),
+        "target_dtype": target.dtype_name,
         "data_fingerprint": fingerprint or data_fingerprint(cfg.data),
         "versions": package_versions(),
     }
@@ -232,7 +227,7 @@ def collect(
         if man is None:
             man = start_manifest(run_dir, cfg, target, fingerprint)
         elif man.get("status") != "complete":  # resuming: the samples still to come in the same precision
-            had, now = man.get("target_dtype", "float32"), dtype_name(target)
+            had, now = man.get("target_dtype", "float32"), target.dtype_name
             if had != now:
                 raise RunError(f"{run_dir} was partly collected with the target in {had}, this run has it in "
                                f"{now}: pass --dtype {had} to finish it (its samples are kept), or use another --out")

@@ -233,15 +233,10 @@ class FeatureStore:
         }
 
 
-def target_dtype(target: Target) -> str:
-    """The dtype of the target's weights, e.g. "float32" or "bfloat16"."""
-    return str(next(target.model.parameters()).dtype).removeprefix("torch.")
-
-
 def features_dir_for(cfg: FeatureConfig, target: Target) -> Path:
     if cfg.features_dir:
         return Path(cfg.features_dir)
-    return cache_dir() / "draft_features" / cfg.key(target.source, target_dtype(target))
+    return cache_dir() / "draft_features" / cfg.key(target.source, target.dtype_name)
 
 
 @torch.no_grad()
@@ -351,9 +346,9 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
                 f"{dataset.fingerprint['sha256'][:12]}… (other or edited data): delete the cache or choose another "
                 f"--features-dir")
         built = store.manifest["settings"].get("dtype", "float32")
-        if built != target_dtype(target):
+        if built != target.dtype_name:
             raise ValueError(f"the feature cache {path} was computed with the target in {built}, this run loads it in "
-                             f"{target_dtype(target)}: pass --dtype {built}, or choose another --features-dir")
+                             f"{target.dtype_name}: pass --dtype {built}, or choose another --features-dir")
         store.layer_index(layers)  # a clear error if the draft's layers are missing
         if cfg.cache_layers and set(want) - set(store.layers):
             store.layer_index(want)
@@ -367,7 +362,7 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
         man = {"format": FORMAT, "settings": {"model": cfg.model, "source": target.source, "data": cfg.data,
                                              "max_tokens": cfg.max_tokens, "seed": cfg.seed,
                                              "regenerate": cfg.regenerate, "regen_max_new": cfg.regen_max_new,
-                                             "regen_turns": cfg.regen_turns, "dtype": target_dtype(target),
+                                             "regen_turns": cfg.regen_turns, "dtype": target.dtype_name,
                                              "data_fingerprint": dataset.fingerprint or None},
                "layers": list(want), "hidden_size": target.hidden_size, "num_layers": target.num_layers,
                "samples": [], "skipped": {}, "next_order": 0, "complete_for": 0, "seconds": 0.0}

@@ -64,6 +64,11 @@ class Target:
     hidden_size: int  # d
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype of the weights, e.g. "float32" or "bfloat16" (recorded by runs and feature caches)."""
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    @property
     def device(self) -> torch.device:
         """Where inputs go: the device of the input embeddings."""
         return self.model.get_input_embeddings().weight.device
