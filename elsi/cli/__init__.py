@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 import warnings
 
 from elsi.cli.common import Command, build_configs
@@ -45,11 +47,17 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     print(f"elsi: warning: {message}", file=file or sys.stderr)
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops a command as Ctrl-C does: finished work saved
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _show_warning
     parser = build_parser()
     ns = parser.parse_args(argv)
     cmd: Command = ns._command
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         configs = build_configs(cmd, ns)
         return int(cmd.run(*configs) or 0)
@@ -59,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nelsi {cmd.name}: interrupted; finished work is saved, rerun the same command to continue", file=sys.stderr)
         return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
 
 
 __all__ = ["COMMAND_MODULES", "build_parser", "commands", "main"]

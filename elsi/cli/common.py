@@ -64,16 +64,21 @@ class Runtime:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+        return device, self.resolve_dtype(device, bulk)
+
+    def resolve_dtype(self, device: torch.device, bulk: bool = False) -> torch.dtype:
+        """The target's dtype on ``device`` (``bulk``: for long-sequence forwards, see ``setup``); an explicit
+        bfloat16 where it is emulated warns."""
         if self.dtype in ("bfloat16", "auto"):
             from elsi.models.adapters import fast_bf16
 
             fast, why = fast_bf16(device)
             if self.dtype == "auto":
-                return device, torch.bfloat16 if bulk and fast else torch.float32
+                return torch.bfloat16 if bulk and fast else torch.float32
             if not fast:
                 warnings.warn(f"--dtype bfloat16: {why}; PyTorch emulates bf16 products there, several times slower "
-                              "than float32 (use --dtype float32 unless memory is the limit)", stacklevel=2)
-        return device, DTYPES[self.dtype]
+                              "than float32 (use --dtype float32 unless memory is the limit)", stacklevel=3)
+        return DTYPES[self.dtype]
 
 
 def check_inputs(model: str | None = None, data: str | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from tqdm import tqdm
 
 from elsi.cli.analyze import run_dir_for
 from elsi.cli.common import Command, Runtime, check_inputs, table
+from elsi.config import opt
 from elsi.data import load_dataset
 from elsi.draft.features import FeatureConfig
 from elsi.draft.train import TrainConfig, parse_duration
@@ -65,6 +67,13 @@ class _Bars:
         self.bar.set_postfix_str(f"step {p.step} loss {p.loss:.3f} acc {p.acc:.3f}{h} "
                                  f"{p.tokens / max(p.elapsed_s, 1e-9):.0f} tok/s", refresh=True)
 
+    def vllm(self, what: str, done: int, total: int) -> None:
+        if self.bar is None or self.bar.desc != what:
+            self.close()
+            self.bar = tqdm(total=total, desc=what, unit="question", file=sys.stderr, dynamic_ncols=True)
+        self.bar.n = done
+        self.bar.refresh()
+
     def bench(self, a, done: int, total: int) -> None:
         if self.bar is None:
             self.bar = tqdm(total=total, desc="Spec-Bench", unit="question", file=sys.stderr, dynamic_ncols=True)
@@ -76,22 +85,36 @@ class _Bars:
 def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
     check_inputs(fcfg.model, fcfg.data)  # a bad --model or --data fails here, before anything loads
     device, dtype = rt.setup()
+    feature_dtype = rt.resolve_dtype(device, bulk=True)  # bf16 for the feature pass where native (auto)
     run_dir = run_dir_for(cfg.run, fcfg.model)
     plan = make_plan(cfg, fcfg, tcfg, run_dir)  # selection first: a bad set is an error before the model loads
     if plan["run_model"] not in (None, fcfg.model):
         warnings.warn(f"the analysis in {run_dir} is of model {plan['run_model']!r}, the study trains drafts for "
                       f"{fcfg.model!r}")
+    if plan["vllm"]["sets"]:  # before hours of training: vLLM's environment and the precision it compares in
+        from elsi.engines.vllm import check_vllm_eagle3, vllm_python
+
+        vllm_python()
+        if dtype != torch.float32:
+            raise ValueError(f"--vllm-sets compares both engines in float32; --dtype {rt.dtype} loads the target in "
+                             f"{dtype}: use --dtype auto or float32")
     prepare_study(cfg.out, plan, cfg.restart)
     print(table([[s["name"], ",".join(map(str, s["layers"])), f"{s['entropy']:.4f}", ",".join(map(str, s["seeds"]))]
                  for s in plan["sets"]], ["set", "layers", "entropy (nats)", "seeds"]), file=sys.stderr)
     torch.manual_seed(fcfg.seed)  # the one global seed (HF internals); drafts get theirs injected
     target = load_target(fcfg.model, device, dtype, rt.trust_remote_code)
+    if plan["vllm"]["sets"]:
+        check_vllm_eagle3(target.model)
+    features_target = None if feature_dtype == dtype else (
+        lambda: load_target(fcfg.model, device, feature_dtype, rt.trust_remote_code))
     dataset = load_dataset(fcfg.data)
     bars = _Bars(fcfg, cfg, tcfg)
     command = "elsi study " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else "elsi study"
     try:
         res = run_study(target, dataset, plan, cfg, fcfg, tcfg, device,
-                        Hooks(step=bars.step, features=bars.features, train=bars.train, bench=bars.bench), command)
+                        Hooks(step=bars.step, features=bars.features, train=bars.train, bench=bars.bench,
+                              vllm=bars.vllm), command,
+                        features_target)
     finally:
         bars.close()
     pooled = res["conditions"][-1]
@@ -107,9 +130,45 @@ def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime)
     return 0
 
 
+@dataclass(frozen=True)
+class CompareArgs:
+    """Finished studies of several models, compared with each other and with the paper's claims."""
+
+    studies: list[str] = opt(help="study directories (`elsi study --out`), one per model", positional=True, nargs="+")
+    runs: list[str] = opt([], "the analyses the studies selected on, in the same order (default: each study's own "
+                              "run, as its study.json records it)")
+    out: str = opt("", "output folder for comparison.json, comparison.md and models_tau_entropy.png "
+                       "(default: FIRST_STUDY/compare)")
+
+
+def compare(args: CompareArgs) -> int:
+    from elsi.collect.store import write_json
+    from elsi.report.figures import models_tau_entropy
+    from elsi.study.compare import compare_studies, comparison_markdown, load_pair
+
+    if args.runs and len(args.runs) != len(args.studies):
+        raise ValueError(f"--runs gives {len(args.runs)} analyses for {len(args.studies)} studies: one per study")
+    pairs = [load_pair(d, args.runs[i] if args.runs else None) for i, d in enumerate(args.studies)]
+    cmp = compare_studies([p[0] for p in pairs], [p[1] for p in pairs])
+    cmp["command"] = "elsi compare-studies " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    cmp["studies"] = list(args.studies)
+    out = Path(args.out or Path(args.studies[0]) / "compare")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "comparison.json", cmp)
+    md = comparison_markdown(cmp)
+    (out / "comparison.md").write_text(md)
+    models_tau_entropy([p[0] for p in pairs], out / "models_tau_entropy.png")
+    print(md)
+    print(f"wrote {out / 'comparison.json'}, {out / 'comparison.md'} and {out / 'models_tau_entropy.png'}")
+    return 0
+
+
 COMMANDS = [
     Command("study", "train and benchmark one draft per layer set and seed (same data, budget and settings): "
                      "τ per subtask, against eagle3/eagle2, and its rank correlation with set entropy",
             (StudyConfig, FeatureConfig, TrainConfig, Runtime), study,
             skip={FeatureConfig: ("cache_layers",), TrainConfig: ("layers", "out", "time_budget", "restart")}),
+    Command("compare-studies", "studies of several models side by side: CKA compartments, the selected sets' gains, "
+                               "τ against entropy per model, and a verdict on each of the paper's claims",
+            (CompareArgs,), compare),
 ]

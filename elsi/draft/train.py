@@ -485,12 +485,15 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 class _Interrupt:
-    """Turns SIGINT (Ctrl-C) during the training loop into a flag read at the end of each step, so that the
-    checkpoint written on the way out is that of a finished step. A second Ctrl-C interrupts at once."""
+    """Turns SIGINT (Ctrl-C) or SIGTERM (``kill``; a job started in the background ignores SIGINT) during the
+    training loop into a flag read at the end of each step, so that the checkpoint written on the way out is
+    that of a finished step. A second signal interrupts at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
-        self._old = None
+        self._old: dict = {}
 
     def _handler(self, signum, frame) -> None:
         if self.requested:
@@ -499,12 +502,12 @@ class _Interrupt:
 
     def __enter__(self) -> _Interrupt:
         if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handler)
+            self._old = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def scored_positions(store: FeatureStore, indices: Sequence[int], loss_on: str) -> int:

@@ -43,6 +43,37 @@ def vllm_python() -> Path:
                             f"{VENV_ENV} to a python that has vllm installed")
 
 
+EAGLE3_PROBE = """
+import sys
+from vllm.model_executor.models.interfaces import supports_eagle3
+from vllm.model_executor.models.registry import ModelRegistry
+cls = ModelRegistry._try_load_model_cls(sys.argv[1])
+print("unknown" if cls is None else supports_eagle3(cls))
+"""
+
+
+def vllm_eagle3_support(architecture: str, python: Path | None = None) -> str:
+    """Whether vLLM's environment serves EAGLE-3 drafts for a target of ``architecture`` (e.g.
+    "LlamaForCausalLM"): "True", "False" (the model class lacks vLLM's SupportsEagle3 interface: no
+    auxiliary hidden states) or "unknown" (vLLM has no such architecture)."""
+    out = subprocess.run([str(python or vllm_python()), "-P", "-c", EAGLE3_PROBE, architecture], capture_output=True,
+                         text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"probing vLLM's EAGLE-3 support failed: {out.stderr[-2000:]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def check_vllm_eagle3(model, python: Path | None = None) -> None:
+    """ValueError naming the architecture where vLLM would not serve an EAGLE-3 draft for ``model``
+    (a transformers model), before any benchmark runs."""
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    ok = vllm_eagle3_support(arch, python)
+    if ok != "True":
+        why = ("it has no such architecture" if ok == "unknown"
+               else "its model class lacks the SupportsEagle3 interface (no auxiliary hidden states)")
+        raise ValueError(f"vLLM ({python or vllm_python()}) cannot serve an EAGLE-3 draft for a {arch} target: {why}")
+
+
 class VllmWorker:
     """One ``vllm.LLM`` in a subprocess of vLLM's environment (a context manager).
 
@@ -151,9 +182,11 @@ def tau_agreement(elsi_acc, elsi_steps, vllm_acc, vllm_steps, resamples: int, se
 
 
 def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: VllmBenchConfig, threads: int = 0,
-                   on_answer: Callable[[str, int, int], None] | None = None) -> dict:
+                   on_answer: Callable[[str, int, int], None] | None = None, plain: bool = True) -> dict:
     """vLLM plain and EAGLE3 (each k), elsi's plain and chain-of-k engine, transformers ``generate``:
-    every method on the same Spec-Bench questions at temperature 0 -> the results dict.
+    every method on the same Spec-Bench questions at temperature 0 -> the results dict. ``plain``
+    False: the speculative runs only (no plain decoding in either engine: no speed-ups, no greedy
+    equality; τ and its agreement stay).
 
     Per method and subtask: tokens/s, τ; vLLM's acceptance per position; greedy equality of each
     vLLM run with vLLM's plain answers (every question) and with elsi's; τ agreement per k.
@@ -194,12 +227,14 @@ def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: Vllm
     if bench.hf_generate:
         pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(eos)
         run_all("hf_generate", None, hf_method(target.model, dcfg, eos, pad))
-    run_all("plain", None, engine_method(runner, dcfg, eos))
+    if plain:
+        run_all("plain", None, engine_method(runner, dcfg, eos))
     if drafter is not None:
         for k in vcfg.spec_tokens:
             run_all("spec", k, engine_method(runner, dcfg, eos, drafter, TreeConfig(k, k, 1)))
-    with VllmWorker(target.source, None, threads=threads, kv_cache_gb=vcfg.kv_cache_gb, log=log) as w:
-        run_all("vllm_plain", None, vllm_method(w, bench.max_new_tokens, eos))
+    if plain:
+        with VllmWorker(target.source, None, threads=threads, kv_cache_gb=vcfg.kv_cache_gb, log=log) as w:
+            run_all("vllm_plain", None, vllm_method(w, bench.max_new_tokens, eos))
     if draft_dir:
         for k in vcfg.spec_tokens:
             with VllmWorker(target.source, draft_dir, k, threads=threads, kv_cache_gb=vcfg.kv_cache_gb, log=log) as w:
@@ -251,6 +286,8 @@ def summarize_engines(answers, tokens, questions, vcfg: VllmBenchConfig, bench: 
                      "subtasks": {s: stats([q for q in qids if subtask_of[q] == s]) for s in subtasks},
                      "greedy_equal_vllm_plain": int(sum(same_vllm)) if plain_vllm else None,
                      "greedy_equal_elsi_plain": int(sum(same_elsi)) if plain_elsi else None,
+                     "greedy_equal_elsi_spec": (sum(tokens.get((method, k, q)) == tokens.get(("spec", k, q))
+                                                    for q in qids) if method == "vllm_spec" else None),
                      "questions": len(qids)})
     agreement = []
     for k in vcfg.spec_tokens:

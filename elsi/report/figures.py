@@ -34,6 +34,7 @@ SIZES: dict[str, tuple[float, float]] = {
     "beam_tree": (10.0, 6.0),
     "compare_depth": (10.0, 7.0),
     "study_tau_entropy": (12.0, 7.0),
+    "models_tau_entropy": (12.0, 5.0),
 }
 
 # Okabe-Ito: colour-blind safe qualitative palette.
@@ -396,25 +397,7 @@ def study_tau_entropy(study: dict, path: str | Path) -> Path:
     fig = _new("study_tau_entropy")
     axes = fig.subplots(math.ceil(len(conds) / cols), cols, squeeze=False)
     for ax, cond in zip(axes.flat, conds):
-        for r in cond["sets"]:
-            colour, marker = STUDY_STYLE.get(r["method"], (OKABE_ITO["black"], "o"))
-            seeds = [t for t in r["tau_seeds"] if t is not None]
-            if len(seeds) > 1:
-                ax.vlines(r["entropy"], min(seeds), max(seeds), color=colour, alpha=0.5, lw=1.5)
-            ax.plot([r["entropy"]] * len(seeds), seeds, "o", color=colour, alpha=0.6, ms=4.5, mew=0)
-            if r["tau_all"] is not None:
-                ax.plot([r["entropy"]], [r["tau_all"]], marker, color=colour, ms=13 if marker == "*" else 9,
-                        mec="black", mew=0.6, zorder=3)
-                ax.annotate(r["name"], (r["entropy"], r["tau_all"]), xytext=(5, 4), textcoords="offset points",
-                            fontsize=7.5)
-        sp = cond["spearman"]
-        rho = "–" if sp["rho"] is None else f"{sp['rho']:.2f}"
-        ci = f" [{sp['ci_low']:.2f}, {sp['ci_high']:.2f}]" if sp.get("ci_low") is not None else ""
-        ax.set_title(f"{cond['label']}\nSpearman ρ = {rho}{ci}", fontsize=9.5)
-        ax.set_xlabel("set entropy (nats)")
-        ax.set_ylabel("τ (mean accepted length)")
-        ax.grid(alpha=0.25)
-        ax.margins(x=0.15, y=0.15)
+        _tau_entropy_panel(ax, cond, cond["label"])
     for ax in list(axes.flat)[len(conds):]:
         ax.axis("off")
     note = textwrap.fill(f"small points: one draft per seed, {seeds_phrase(study)} (line: their range); "
@@ -424,7 +407,44 @@ def study_tau_entropy(study: dict, path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def models_tau_entropy(studies: list[dict], path: str | Path) -> Path:
+    """τ against set entropy, one panel per model (each study's pooled condition): the paper's
+    figure of τ against entropy per model. Marks as in ``study_tau_entropy``."""
+    fig = _new("models_tau_entropy")
+    axes = fig.subplots(1, len(studies), squeeze=False)
+    for ax, study in zip(axes.flat, studies):
+        cond = study["conditions"][-1]
+        _tau_entropy_panel(ax, cond, f"{Path(study['model']).name} (N = {study['num_layers']}), {cond['label']}")
+    fig.suptitle("τ of the trained drafts against the entropy of their layer set, per model "
+                 "(small points: one draft per seed; large marks: the set's mean)")
+    return _save(fig, path)
+
+
+def _tau_entropy_panel(ax, cond: dict, title: str) -> None:
+    """One condition's sets: each seed's τ (small points, a line over their range) and the set's mean
+    (a large labelled mark) against set entropy; Spearman's ρ in the title."""
+    for r in cond["sets"]:
+        colour, marker = STUDY_STYLE.get(r["method"], (OKABE_ITO["black"], "o"))
+        seeds = [t for t in r["tau_seeds"] if t is not None]
+        if len(seeds) > 1:
+            ax.vlines(r["entropy"], min(seeds), max(seeds), color=colour, alpha=0.5, lw=1.5)
+        ax.plot([r["entropy"]] * len(seeds), seeds, "o", color=colour, alpha=0.6, ms=4.5, mew=0)
+        if r["tau_all"] is not None:
+            ax.plot([r["entropy"]], [r["tau_all"]], marker, color=colour, ms=13 if marker == "*" else 9,
+                    mec="black", mew=0.6, zorder=3)
+            ax.annotate(r["name"], (r["entropy"], r["tau_all"]), xytext=(5, 4), textcoords="offset points",
+                        fontsize=7.5)
+    sp = cond["spearman"]
+    rho = "–" if sp["rho"] is None else f"{sp['rho']:.2f}"
+    ci = f" [{sp['ci_low']:.2f}, {sp['ci_high']:.2f}]" if sp.get("ci_low") is not None else ""
+    ax.set_title(f"{title}\nSpearman ρ = {rho}{ci}", fontsize=9.5)
+    ax.set_xlabel("set entropy (nats)")
+    ax.set_ylabel("τ (mean accepted length)")
+    ax.grid(alpha=0.25)
+    ax.margins(x=0.15, y=0.15)
+
+
 __all__ = [
     "DPI", "SIZES", "beam_tree", "chosen_path", "cka", "compare_depth", "entropy_wave", "pair_entropy",
-    "pair_gain", "pixel_size", "study_tau_entropy", "transitions",
+    "models_tau_entropy", "pair_gain", "pixel_size", "study_tau_entropy", "transitions",
 ]

@@ -33,7 +33,7 @@ from elsi.stats.analysis import parse_layers
 
 PLAN = "plan.json"
 FORMAT = 1
-DEFAULT_SETS = ["eagle2", "eagle3", "elsi:1", "elsi:2", "elsi:3", "elsi-c:3", "low-entropy:3"]
+DEFAULT_SETS = ["eagle2", "eagle3", "elsi:1", "elsi:2", "elsi:3", "elsi-c:3", "low-entropy:3", "uniform:3"]
 FIXED_M = {"eagle2": 1, "eagle3": 3}  # baselines whose size is part of their definition
 SET_HELP = ("eagle2, eagle3, METHOD:M with METHOD one of " + ", ".join(m for m in METHODS if m not in FIXED_M)
             + " (e.g. elsi:3), or layers:IDS (e.g. layers:5,18,27)")
@@ -62,6 +62,10 @@ class StudyConfig:
     warmup: int = like(BenchConfig, "warmup")
     bench_seed: int = like(BenchConfig, "seed", help_suffix=" (the same for every draft: paired comparisons)")
     bootstrap: int = opt(1000, "bootstrap resamples of the Spec-Bench questions for the intervals (0 = none)")
+    vllm_sets: list[str] = opt([], "layer sets (as written in --sets) whose drafts vLLM serves too, every seed: "
+                                   "chains of --vllm-spec-tokens at temperature 0 on the same questions, τ next to "
+                                   "elsi's chain (needs vLLM's environment: make vllm; the target in float32)")
+    vllm_spec_tokens: list[int] = opt([1], "vLLM num_speculative_tokens k for --vllm-sets")
     restart: bool = opt(False, "delete this study's plan, drafts, benchmarks and results and start over")
 
     def __post_init__(self) -> None:
@@ -75,6 +79,12 @@ class StudyConfig:
         dup = sorted({s for s in self.multi_seed_sets if self.multi_seed_sets.count(s) > 1})
         if dup:
             raise ValueError(f"--multi-seed-sets repeats {dup}")
+        for flag, names in (("--vllm-sets", self.vllm_sets),):
+            dup = sorted({x for x in names if names.count(x) > 1})
+            if dup:
+                raise ValueError(f"{flag} repeats {dup}")
+        if not self.vllm_spec_tokens or any(k < 1 for k in self.vllm_spec_tokens):
+            raise ValueError(f"--vllm-spec-tokens must be >= 1, got {self.vllm_spec_tokens}")
         if self.bootstrap < 0:
             raise ValueError(f"bootstrap must be >= 0, got {self.bootstrap}")
         parse_duration(self.train_budget)
@@ -163,24 +173,45 @@ def resolve_sets(specs: list[str], selector: Selector) -> list[LayerSet]:
     return out
 
 
-def set_seeds(specs: list[str], sets: list[LayerSet], seeds: list[int], num_layers: int) -> dict[str, list[int]]:
-    """Each set's seeds, by name: every seed for the sets ``specs`` names (or for all when ``specs`` is empty),
-    the first seed for the others. Raises ValueError naming every spec that is not one of ``sets``."""
+def named_sets(specs: list[str], sets: list[LayerSet], num_layers: int, flag: str) -> list[str]:
+    """The normalised names of the ``sets`` that ``specs`` (as written in --sets) name, in the sets' order.
+    Raises ValueError naming ``flag`` and every spec that is not one of ``sets``."""
     names = [s.name for s in sets]
-    multi = set()
-    bad = []
+    picked, bad = set(), []
     for spec in specs:
         try:
             name = parse_set(spec, num_layers)[0]
         except ValueError:
             name = None
         if name in names:
-            multi.add(name)
+            picked.add(name)
         else:
             bad.append(spec)
     if bad:
-        raise ValueError(f"--multi-seed-sets {bad}: not in --sets ({', '.join(names)})")
-    return {n: list(seeds) if not specs or n in multi else list(seeds[:1]) for n in names}
+        raise ValueError(f"{flag} {bad}: not in --sets ({', '.join(names)})")
+    return [n for n in names if n in picked]
+
+
+def set_seeds(specs: list[str], sets: list[LayerSet], seeds: list[int], num_layers: int) -> dict[str, list[int]]:
+    """Each set's seeds, by name: every seed for the sets ``specs`` names (or for all when ``specs`` is empty),
+    the first seed for the others. Raises ValueError naming every spec that is not one of ``sets``."""
+    multi = named_sets(specs, sets, num_layers, "--multi-seed-sets")
+    return {s.name: list(seeds) if not specs or s.name in multi else list(seeds[:1]) for s in sets}
+
+
+def vllm_plan(cfg: StudyConfig, sets: list[LayerSet], num_layers: int) -> dict:
+    """plan.json's ``vllm``: the sets vLLM serves (each a ValueError where vLLM cannot serve its layers as
+    trained) and the chain lengths."""
+    from elsi.engines import check_for_engine
+
+    names = named_sets(cfg.vllm_sets, sets, num_layers, "--vllm-sets")
+    for s in sets:
+        if s.name in names:
+            try:
+                check_for_engine(s.layers, num_layers, "vllm")
+            except ValueError as err:
+                raise ValueError(f"--vllm-sets {s.name}: {err}") from None
+    return {"sets": names, "spec_tokens": list(cfg.vllm_spec_tokens)}
 
 
 def plan_seeds(plan: dict) -> dict[str, list[int]]:
@@ -222,6 +253,7 @@ def make_plan(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, run_dir:
         "sets": [{**s.to_json(), "seeds": seeds[s.name]} for s in sets],
         "seeds": list(cfg.seeds),
         "cache_layers": sorted({l for s in sets for l in s.layers}),
+        "vllm": vllm_plan(cfg, sets, selector.run.num_layers),
         "settings": plan_settings(cfg, fcfg, tcfg, selector),
     }
 

@@ -6,7 +6,10 @@ Step by step (STUDY_DIR layout in docs/INTERFACES.md):
    (``bench/baseline.json``).
 3. Per set and each of its seeds (plan.json): train the draft (``drafts/<set>-s<seed>/``), then
    benchmark it with speculative decoding only (``bench/<set>-s<seed>.json``).
-4. ``study.json`` and ``study.md`` (``elsi.study.summary``).
+4. ``--vllm-sets``: vLLM serves those sets' drafts (every seed) as chains of ``--vllm-spec-tokens``
+   at temperature 0, next to elsi's chain on the same questions (``vllm/<set>-s<seed>.json``; a file
+   made with other settings is redone).
+5. ``study.json`` and ``study.md`` (``elsi.study.summary``).
 
 Resumable: a draft whose ``training.json`` says complete and a benchmark file that exists are
 reused; an interrupted draft resumes from its checkpoint; an interrupted benchmark starts over.
@@ -26,7 +29,7 @@ import torch
 from elsi.collect.store import RunError, read_json, write_json
 from elsi.data.conversations import Dataset
 from elsi.decode.drafters import load_drafter
-from elsi.draft.features import FeatureConfig, build_features
+from elsi.draft.features import FeatureConfig, FeatureStore, build_features
 from elsi.draft.features import Progress as FeatureProgress
 from elsi.draft.train import TRAINING, TrainConfig, train_draft
 from elsi.draft.train import Progress as TrainProgress
@@ -41,6 +44,7 @@ BASELINE = "baseline.json"
 STUDY_JSON = "study.json"
 STUDY_MD = "study.md"
 FEATURES = "features"
+VLLM = "vllm"
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Hooks:
     features: Callable[[FeatureProgress], None] | None = None
     train: Callable[[TrainProgress], None] | None = None
     bench: Callable[[Answer, int, int], None] | None = None  # (last answer, questions done, total)
+    vllm: Callable[[str, int, int], None] | None = None  # (run, e.g. "vllm_spec k=1", questions done, total)
 
 
 def draft_dir(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
@@ -80,7 +85,7 @@ def draft_complete(path: Path) -> bool:
 def clear_study(study_dir: str | Path) -> None:
     """Remove what a study wrote (plan, drafts, benchmarks, results, report); the feature cache stays."""
     d = Path(study_dir)
-    for name in (DRAFTS, BENCH, "report"):
+    for name in (DRAFTS, BENCH, VLLM, "report"):
         if (d / name).is_dir():
             shutil.rmtree(d / name)
     for name in (PLAN, STUDY_JSON, STUDY_MD):
@@ -103,6 +108,13 @@ def feature_config(fcfg: FeatureConfig, plan: dict, study_dir: str | Path) -> Fe
                    features_dir=fcfg.features_dir or str(Path(study_dir) / FEATURES))
 
 
+def study_features(target: Target | Callable[[], Target], dataset: Dataset, fc: FeatureConfig,
+                   layers: list[int], on_progress: Callable[[FeatureProgress], None] | None) -> FeatureStore:
+    """The study's feature cache, built or finished (or only checked, when complete) by ``target``, or by the
+    target a loader returns, which is let go afterwards."""
+    return build_features(target() if callable(target) else target, dataset, fc, layers, on_progress=on_progress)
+
+
 def _bench_record(res: dict, **extra) -> dict:
     from elsi.collect.collector import package_versions
 
@@ -110,12 +122,16 @@ def _bench_record(res: dict, **extra) -> dict:
 
 
 def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fcfg: FeatureConfig,
-              tcfg: TrainConfig, device: torch.device, hooks: Hooks | None = None, command: str = "") -> dict:
+              tcfg: TrainConfig, device: torch.device, hooks: Hooks | None = None, command: str = "",
+              features_target: Target | Callable[[], Target] | None = None) -> dict:
     """Run (or continue) the study planned in ``plan`` (see ``prepare_study``) -> study.json's dict.
 
     ``tcfg`` is the training template: every set's draft uses it with its own layers and out
-    directory and ``cfg.train_budget``. ``target`` must be the plan's model. ``command``: recorded in
-    study.json and study.md.
+    directory and ``cfg.train_budget``. ``target`` must be the plan's model; it decodes and gives the
+    drafts' labels. ``features_target``: the same model in the precision of the feature pass (e.g. bf16,
+    the bulk forwards' dtype, beside a float32 ``target`` for decoding), or a function that loads it
+    (the loaded copy is let go after the feature step); default ``target``. ``command``: recorded in study.json
+    and study.md.
     """
     hooks = hooks or Hooks()
     say = hooks.step or (lambda i, n, text: None)
@@ -124,13 +140,16 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
         raise ValueError(f"the target has N = {target.num_layers} layers, the analysis in {plan['settings']['run']} "
                          f"N = {plan['num_layers']}: analyze this model first (--run)")
     sets, seeds = layer_sets(plan), plan_seeds(plan)
-    n = 3 + 2 * sum(len(seeds[s.name]) for s in sets)
+    served = plan.get("vllm", {}).get("sets", [])
+    n = 3 + sum((2 + (s.name in served)) * len(seeds[s.name]) for s in sets)
     (study_dir / BENCH).mkdir(parents=True, exist_ok=True)
+    if plan.get("vllm", {}).get("sets"):
+        (study_dir / VLLM).mkdir(exist_ok=True)
 
     # Step 1: the target's features for every set's layers, once.
     fc = feature_config(fcfg, plan, study_dir)
     say(1, n, f"target features for layers {plan['cache_layers']} in {fc.features_dir}")
-    store = build_features(target, dataset, fc, plan["cache_layers"], on_progress=hooks.features)
+    store = study_features(features_target or target, dataset, fc, plan["cache_layers"], hooks.features)
 
     # Step 2: the baseline (plain decoding and transformers generate), once.
     base_path = study_dir / BENCH / BASELINE
@@ -167,15 +186,57 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
                 write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
             benches[(s.name, seed)] = read_json(path)
 
-    # Step 4: the summary.
+    # Step 4: vLLM serves the --vllm-sets drafts (chains), next to elsi's chain on the same questions.
+    vllm = {}
+    want = vllm_settings(cfg, fcfg.model)
+    for s in sets:
+        if s.name not in served:
+            continue
+        for seed in seeds[s.name]:
+            path = vllm_path(study_dir, s, seed)
+            i += 1
+            rec = _readable(path)
+            if rec is not None and rec.get("study_settings") == want:
+                say(i, n, f"vLLM serves {s.name} seed {seed} (done: {path})")
+            else:
+                say(i, n, f"vLLM serves {s.name} seed {seed}: chains of k = {cfg.vllm_spec_tokens}")
+                rec = run_vllm_step(target, str(draft_dir(study_dir, s, seed)), cfg, fcfg.model, hooks)
+                write_json(path, _bench_record(rec, set=s.name, seed=seed, study_settings=want))
+            vllm[(s.name, seed)] = rec
+
+    # Step 5: the summary.
     say(n, n, f"summary: {STUDY_JSON}, {STUDY_MD}")
-    return write_summary(study_dir, plan, benches, read_json(base_path), cfg.bootstrap, command)
+    return write_summary(study_dir, plan, benches, read_json(base_path), cfg.bootstrap, command, vllm)
+
+
+def vllm_path(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
+    return Path(study_dir) / VLLM / f"{s.slug}-s{seed}.json"
+
+
+def vllm_settings(cfg: StudyConfig, model: str) -> dict:
+    """What a vLLM file depends on (one made with other settings is redone)."""
+    return {"model": model, "spec_tokens": list(cfg.vllm_spec_tokens), "bootstrap": cfg.bootstrap,
+            "subtasks": list(cfg.subtasks), "questions_per_subtask": cfg.questions_per_subtask,
+            "max_new_tokens": cfg.max_new_tokens, "seed": cfg.bench_seed}
+
+
+def run_vllm_step(target: Target, draft: str, cfg: StudyConfig, model: str, hooks: Hooks) -> dict:
+    """One draft served by vLLM and by elsi's chain, each --vllm-spec-tokens k, at temperature 0."""
+    from elsi.engines.vllm import VllmBenchConfig, run_vllm_bench
+
+    if target.dtype_name != "float32":
+        raise ValueError(f"--vllm-sets compares both engines in float32; the study's target is in {target.dtype_name}:"
+                         " pass --dtype float32 (or auto)")
+    bench = replace(cfg.bench_config(model, draft=draft), temperature=[0.0], hf_generate=False, plain=False)
+    vcfg = VllmBenchConfig(engine="vllm", spec_tokens=list(cfg.vllm_spec_tokens), bootstrap=cfg.bootstrap)
+    return run_vllm_bench(target, draft, bench, vcfg, threads=torch.get_num_threads(), on_answer=hooks.vllm,
+                          plain=False)
 
 
 def write_summary(study_dir: str | Path, plan: dict, benches: dict, baseline: dict, bootstrap: int,
-                  command: str = "") -> dict:
-    """study.json and study.md from the plan and the benchmarks."""
-    study = {"command": command, **summarize_study(plan, benches, baseline, bootstrap)}
+                  command: str = "", vllm: dict | None = None) -> dict:
+    """study.json and study.md from the plan, the benchmarks and vLLM's runs (keyed (set name, seed))."""
+    study = {"command": command, **summarize_study(plan, benches, baseline, bootstrap, vllm=vllm)}
     write_json(Path(study_dir) / STUDY_JSON, study)
     md = Path(study_dir) / STUDY_MD
     tmp = md.with_name(md.name + ".tmp")

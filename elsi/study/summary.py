@@ -145,8 +145,10 @@ def pooled_tau(w: np.ndarray, acc: np.ndarray, steps: np.ndarray) -> np.ndarray:
 
 
 def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: dict[tuple[str, int], dict],
-                        weights: np.ndarray | None, temperature, tree_nodes) -> dict:
-    """Rows (one per set), Spearman's ρ between entropy and τ all, and the selected sets' gaps.
+                        weights: np.ndarray | None, temperature, tree_nodes,
+                        subtasks: dict[str, np.ndarray] | None = None) -> dict:
+    """Rows (one per set), Spearman's ρ between entropy and τ all, and the selected sets' gaps (each
+    also per subtask, where ``subtasks`` maps a subtask to its questions' mask (Q,) bool).
 
     ``seeds``: each set's seeds, by name (sets may have different numbers); ``stats``: ``draft_stats``
     of every (set name, seed).
@@ -206,14 +208,55 @@ def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: di
                          "tau": r["tau_all"], "tau_ref": b["tau_all"], "delta": delta,
                          "delta_pct": r["delta_pct"][ref], "seed_spread": spread,
                          "beyond_seed_spread": None if spread is None else abs(delta) > spread,
-                         "ci_low": g_lo, "ci_high": g_hi})
+                         "ci_low": g_lo, "ci_high": g_hi,
+                         "subtasks": subtask_gaps(r, b, stats, seeds, weights, subtasks or {})})
     return {"temperature": temperature, "tree_nodes": tree_nodes, "label": condition_label(temperature, tree_nodes),
             "sets": rows, "spearman": spear, "gaps": gaps}
 
 
+def subtask_gaps(row: dict, ref: dict, stats: dict[tuple[str, int], dict], seeds: dict[str, list[int]],
+                 weights: np.ndarray | None, subtasks: dict[str, np.ndarray]) -> dict[str, dict]:
+    """A set's gap to a default on each subtask: Δτ, Δ% and the bootstrap interval of Δτ, from the same
+    resamples of all questions with the other subtasks' questions left out (None where a side has no steps)."""
+    out = {}
+    for sub, mask in subtasks.items():
+        t, t_ref = row["tau"].get(sub), ref["tau"].get(sub)
+        if t is None or t_ref is None:
+            out[sub] = {"delta": None, "delta_pct": None, "ci_low": None, "ci_high": None}
+            continue
+        lo = hi = None
+        if weights is not None:
+            w = weights * mask  # (R, Q): this subtask's questions only
+            side = lambda name: np.mean([pooled_tau(w, stats[(name, sd)]["accepted"],  # noqa: E731
+                                                    stats[(name, sd)]["steps"]) for sd in seeds[name]], axis=0)
+            lo, hi = interval(side(row["name"]) - side(ref["name"]))
+        out[sub] = {"delta": t - t_ref, "delta_pct": 100.0 * (t / t_ref - 1.0) if t_ref else None,
+                    "ci_low": lo, "ci_high": hi}
+    return out
+
+
+def vllm_rows(vllm: dict[tuple[str, int], dict]) -> list[dict]:
+    """One row per (set, seed, k) of the vLLM runs (``elsi.engines.vllm.run_vllm_bench`` results, keyed
+    (set name, seed)): both engines' τ, overall and per subtask, their bootstrap agreement and how many
+    answers vLLM's chain gave token for token as elsi's."""
+    rows = []
+    for (name, seed), rec in vllm.items():
+        served = {r["k"]: r for r in rec["runs"] if r["method"] == "vllm_spec"}
+        for a in rec["tau_agreement"]:
+            o = a["overall"]
+            rows.append({"set": name, "seed": seed, "k": a["k"], "tau_elsi": o["tau_elsi"], "tau_vllm": o["tau_vllm"],
+                         "diff": o["diff"], "ci_low": o["ci_low"], "ci_high": o["ci_high"], "agree": o["agree"],
+                         "questions": a["questions"], "steps_equal": a["steps_equal"],
+                         "answers_equal": served.get(a["k"], {}).get("greedy_equal_elsi_spec"),
+                         "subtasks": {sub: {"tau_elsi": x["tau_elsi"], "tau_vllm": x["tau_vllm"]}
+                                      for sub, x in a["subtasks"].items()}})
+    return rows
+
+
 def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: dict, bootstrap: int = 1000,
-                    seed: int = 0) -> dict:
-    """study.json's dict from the plan, every draft's benchmark (keyed (set name, seed)) and the baseline's."""
+                    seed: int = 0, vllm: dict[tuple[str, int], dict] | None = None) -> dict:
+    """study.json's dict from the plan, every draft's benchmark (keyed (set name, seed)) and the baseline's;
+    ``vllm``: the vLLM runs of ``--vllm-sets`` (same keys)."""
     bench = plan["settings"]["bench"]
     seeds = plan_seeds(plan)
     sets = [{**s, "seeds": seeds[s["name"]]} for s in plan["sets"]]
@@ -224,11 +267,12 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
     qids = list(subtask_of)
     weights = resample_weights(len(qids), bootstrap, seed) if bootstrap and qids else None
     conditions = [(t, n) for t in bench["temperature"] for n in bench["tree_nodes"]] + [(None, None)]
+    masks = {sub: np.array([subtask_of[q] == sub for q in qids]) for sub in dict.fromkeys(subtask_of.values())}
     out = []
     for t, n in conditions:
         stats = {(s["name"], sd): draft_stats(benches[(s["name"], sd)]["answers"], qids, subtask_of, t, n, plain, hf)
                  for s in sets for sd in seeds[s["name"]]}
-        out.append(summarize_condition(sets, seeds, stats, weights, t, n))
+        out.append(summarize_condition(sets, seeds, stats, weights, t, n, masks))
     speeds = []
     for t in bench["temperature"]:
         speeds.append({"temperature": t,
@@ -238,7 +282,7 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
         "model": plan["model"], "run": plan["settings"]["run"], "num_layers": plan["num_layers"],
         "sets": sets, "seeds": plan["seeds"], "subtasks": list(dict.fromkeys(subtask_of.values())),
         "questions": len(qids), "bootstrap": {"resamples": bootstrap, "seed": seed, "unit": "Spec-Bench question"},
-        "settings": plan["settings"], "baseline": speeds, "conditions": out,
+        "settings": plan["settings"], "baseline": speeds, "conditions": out, "vllm": vllm_rows(vllm or {}),
     }
     study["verdict"] = verdict(study)
     return study
@@ -374,6 +418,18 @@ def study_markdown(study: dict) -> str:
     for cond in study["conditions"]:
         parts += [f"## τ, {cond['label']}", "", md_table(*condition_table(cond, study["subtasks"])), "",
                   spearman_line(cond), ""]
+    if study.get("vllm"):
+        parts += ["## vLLM serving the same drafts (chains, T = 0)", "",
+                  md_table(["set", "seed", "k", "τ elsi", "τ vLLM", "vLLM − elsi [95% CI]", "answers equal",
+                            *[f"τ {s} elsi / vLLM" for s in study["subtasks"]]],
+                           [[r["set"], str(r["seed"]), str(r["k"]), _f(r["tau_elsi"]), _f(r["tau_vllm"]),
+                             f"{_f(r['diff'], 3, True)} [{_f(r['ci_low'], 3, True)}, {_f(r['ci_high'], 3, True)}]",
+                             "–" if r["answers_equal"] is None else f"{r['answers_equal']}/{r['questions']}",
+                             *[f"{_f(r['subtasks'].get(s, {}).get('tau_elsi'), 2)} / "
+                               f"{_f(r['subtasks'].get(s, {}).get('tau_vllm'), 2)}" for s in study["subtasks"]]]
+                            for r in study["vllm"]]), "",
+                  "τ of both engines counts emitted tokens per verification step; \"answers equal\": vLLM's "
+                  "greedy answer token for token as elsi's (lossless: elsi's equals plain greedy decoding).", ""]
     if study.get("command"):
         parts += [f"Made by `{study['command']}`.", ""]
     parts += ["## Baseline speed", "",

