@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from elsi.collect.collector import VARIANTS, _forward, package_versions
+from elsi.collect.collector import _forward, package_versions
 from elsi.collect.grams import block_grams, blocks_of, filter_positions, kept_count, token_entropy
 from elsi.data import iter_tokenized, load_dataset
 from elsi.models import load_target

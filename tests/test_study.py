@@ -330,7 +330,7 @@ def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_
     assert feats["layers"] == plan["cache_layers"]  # one feature cache, every set's layers
     base = json.loads((out / "bench" / "baseline.json").read_text())
     assert {r["method"] for r in base["runs"]} == {"plain", "hf_generate"}
-    benches = {}
+    benches, trained = {}, {}
     for s in plan["sets"]:
         for seed in (0, 1):
             rec = json.loads((out / "drafts" / f"{s['slug']}-s{seed}" / "training.json").read_text())
@@ -340,9 +340,14 @@ def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_
                 ("spec", 0.0, 4), ("spec", 1.0, 4)}
             assert b["draft"]["layer_ids"] == s["layers"] and (b["set"], b["seed"]) == (s["name"], seed)
             benches[(s["name"], seed)] = b
+            trained[(s["name"], seed)] = rec
 
     study = json.loads((out / "study.json").read_text())
     assert study["subtasks"] == SUBTASKS and study["questions"] == 2
+    for row in study["training"]:  # each draft's steps and held-out match, as its training.json has them
+        recs = [trained[(row["name"], seed)] for seed in (0, 1)]
+        assert row["steps"] == [12, 12] and row["heldout_match"] == [r["heldout"]["match"][0] for r in recs]
+        assert row["heldout_mean"] == pytest.approx(sum(row["heldout_match"]) / 2)
     assert [(c["temperature"], c["tree_nodes"]) for c in study["conditions"]] == [(0.0, 4), (1.0, 4), (None, None)]
     for cond in study["conditions"]:
         rows = {r["name"]: r for r in cond["sets"]}
@@ -365,6 +370,7 @@ def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_
         assert {(g["set"], g["vs"]) for g in cond["gaps"]} == {("elsi:2", "eagle3"), ("elsi:2", "eagle2")}
     md = (out / "study.md").read_text()
     assert "## Verdict" in md and "| set " in md and "τ all" in md and "Spearman ρ(set entropy, τ all)" in md
+    assert "## Drafts: training and held-out match" in md
     assert "elsi:2" in md and ("beats eagle3" in md or "does not beat eagle3" in md)
     page = (out / "report" / "index.html").read_text()
     ET.fromstring(page.split("\n", 2)[2])  # well-formed after the XML declaration and doctype
@@ -548,6 +554,13 @@ def test_compare_studies_tests_the_compartment_explanation(tmp_path):
     eagle3_tau = a["conditions"][-1]["sets"][0]["tau_all"]  # both seeds: sum(base) / 90 steps
     assert g["delta_pct"] == pytest.approx(100 * 6 / (eagle3_tau * 90))  # elsi:3 adds 6 accepted tokens in 90 steps
     assert g["subtasks"]["qa"]["delta_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert cmp["models"][0]["heldout"]["rho"] is None  # no training records in these studies
+    a["training"] = [{"name": n, "seeds": sd, "steps": [1] * len(sd), "train_seconds": [1.0] * len(sd),
+                      "heldout_match": h, "heldout_mean": sum(h) / len(h)}
+                     for n, sd, h in [("eagle3", [0, 1], [0.30, 0.32]), ("elsi:1", [0], [0.25]), ("elsi:3", [0], [0.35])]]
+    held = compare_studies([a], [an_a])["models"][0]["heldout"]
+    assert held["rho"] == pytest.approx(1.0) and held["spread"] == pytest.approx(0.02)  # entropy 0.9 < 1.0 < 1.2
+    assert held["gaps"] == {"elsi:3": pytest.approx(0.04), "elsi:1": pytest.approx(-0.06)}
     md = comparison_markdown(cmp)
     assert "| ELSI m=3 beats EAGLE-3 by +1.6 to +2.2 % τ" in md and "**supported**" in md
     path = models_tau_entropy([a, b], tmp_path / "models_tau_entropy.png")

@@ -44,6 +44,7 @@ from elsi.config import opt
 from elsi.data.conversations import (Dataset, Sample, assistant_mask, data_identity, iter_tokenized, render,
                                      tokenize)
 from elsi.models.load import Target, cache_dir
+from elsi.stats.analysis import parse_layers as analysis_layers
 
 MANIFEST = "features.json"
 FORMAT = 2
@@ -89,30 +90,8 @@ class FeatureConfig:
 
 
 def parse_layers(spec: str | Sequence[int], num_layers: int) -> tuple[int, ...]:
-    """'2,15,27' (ranges 'a-b' allowed) -> sorted ids, each checked against 0..N."""
-    if isinstance(spec, str):
-        out: list[int] = []
-        for part in (p.strip() for p in spec.split(",")):
-            if not part:
-                continue
-            try:
-                if "-" in part[1:]:
-                    a, b = part.split("-", 1)
-                    out.extend(range(int(a), int(b) + 1))
-                else:
-                    out.append(int(part))
-            except ValueError as err:
-                raise ValueError(f"bad layer id {part!r} in {spec!r}: use e.g. 2,15,27 or 10-12") from err
-    else:
-        out = [int(l) for l in spec]
-    if not out:
-        raise ValueError(f"no layer id in {spec!r}")
-    bad = [l for l in out if not 0 <= l <= num_layers]
-    if bad:
-        raise ValueError(f"layer id(s) {bad} out of range: the target has hidden-state ids 0..{num_layers}")
-    if len(set(out)) != len(out):
-        raise ValueError(f"layer set {spec!r} repeats a layer")
-    return tuple(sorted(out))
+    """'2,15,27' (ranges 'a-b' allowed) -> sorted ids, each checked against 0..N (``stats.analysis.parse_layers``)."""
+    return tuple(sorted(analysis_layers(spec, num_layers)))
 
 
 @dataclass

@@ -57,7 +57,8 @@ def parse_layers(text: str | list[int] | tuple[int, ...], num_layers: int, lowes
                 continue
             m = re.fullmatch(r"(-?\d+)(?:-(-?\d+))?", part)
             if m is None:
-                raise ValueError(f"layer list {text!r}: {part!r} is not an id or a range a-b")
+                raise ValueError(f"bad layer id {part!r} in {text!r}: {part!r} is not an id or a range a-b "
+                                 "(use e.g. 2,15,27 or 10-12)")
             lo = int(m.group(1))
             ids.extend(range(lo, int(m.group(2)) + 1) if m.group(2) is not None else [lo])
     else:

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from elsi.collect.store import read_json
-from elsi.study.summary import _f, md_table
+from elsi.study.summary import _clean, _f, md_table, spearman
 
 PAPER = {
     "m3_gain": {"claim": "ELSI m=3 beats EAGLE-3 by +1.6 to +2.2 % τ", "low_pct": 1.6, "high_pct": 2.2},
@@ -155,6 +155,23 @@ def judge_compartments(models: list[dict]) -> tuple[str, str]:
     return UNRESOLVED, txt
 
 
+def heldout_summary(study: dict) -> dict:
+    """The drafts' held-out depth-1 match per set (mean over seeds), Spearman's ρ with set entropy, and
+    elsi:3 and elsi:1 against eagle3 next to the seed-to-seed spread of that match (None without
+    training records)."""
+    held = {r["name"]: r for r in study.get("training", []) if r["heldout_mean"] is not None}
+    sets = [s for s in study["sets"] if s["name"] in held]
+    if len(sets) < 2:
+        return {"rho": None, "sets": len(sets), "by_set": {}, "spread": None, "gaps": {}}
+    ranges = [max(h) - min(h) for h in (held[s["name"]]["heldout_match"] for s in sets) if len(h) > 1
+              and None not in h]
+    ref = held.get("eagle3", {}).get("heldout_mean")
+    gaps = {n: held[n]["heldout_mean"] - ref for n in ("elsi:3", "elsi:1") if n in held and ref is not None}
+    return {"rho": _clean(spearman([s["entropy"] for s in sets], [held[s["name"]]["heldout_mean"] for s in sets])),
+            "sets": len(sets), "by_set": {s["name"]: held[s["name"]]["heldout_mean"] for s in sets},
+            "spread": max(ranges) if ranges else None, "gaps": gaps}
+
+
 def model_entry(study: dict, analysis: dict) -> dict:
     """One model's figures: CKA structure, gains (pooled and per condition), seed spread, Spearman ρ."""
     pooled = study["conditions"][-1]
@@ -166,7 +183,7 @@ def model_entry(study: dict, analysis: dict) -> dict:
         "spearman": pooled["spearman"], "gain_m3": m3, "gain_m1": m1,
         "conditions": [{"label": c["label"], "gain_m3": gain(c, "elsi:3"), "gain_m1": gain(c, "elsi:1"),
                         "spearman": c["spearman"]} for c in study["conditions"]],
-        "vllm": study.get("vllm", []),
+        "vllm": study.get("vllm", []), "heldout": heldout_summary(study),
     }
     entry["verdicts"] = {name: dict(zip(("verdict", "numbers"), judge(g)))
                          for name, judge, g in (("m3_gain", judge_m3, m3), ("m1_parity", judge_m1, m1),
@@ -212,21 +229,27 @@ def comparison_markdown(cmp: dict) -> str:
              f"Compartments, across models: {cmp['compartments']['numbers']}.", "",
              "## CKA structure and gains", "",
              md_table(["model", "N", "compartments", "≥ 2 layers", "largest share", "mean adjacent CKA", "mean CKA",
-                       "elsi:3 vs eagle3 (Δ %, CI)", "elsi:1 vs eagle3", "seed spread %", "Spearman ρ (CI)"],
+                       "elsi:3 vs eagle3 (Δ %, CI)", "elsi:1 vs eagle3", "seed spread %", "Spearman ρ (CI)",
+                       "held-out: elsi:3 − eagle3, elsi:1 − eagle3 (seed spread)", "held-out ρ"],
                       [[n, str(m["num_layers"]), " ".join(f"{a}–{b}" for a, b in m["cka"]["compartments"]),
                         str(m["cka"]["multi_layer_compartments"]), _f(m["cka"]["largest_share"], 2),
                         _f(m["cka"]["mean_adjacent_cka"], 3), _f(m["cka"]["mean_cka"], 3),
                         _gain_cell(m["gain_m3"]), _gain_cell(m["gain_m1"]),
                         _f((m["gain_m3"] or {}).get("seed_spread_pct"), 2),
                         f"{_f(m['spearman']['rho'], 2)} [{_f(m['spearman']['ci_low'], 2)}, "
-                        f"{_f(m['spearman']['ci_high'], 2)}]"] for n, m in zip(names, models)]), ""]
+                        f"{_f(m['spearman']['ci_high'], 2)}]",
+                        f"{_f(m['heldout']['gaps'].get('elsi:3'), 4, True)}, {_f(m['heldout']['gaps'].get('elsi:1'), 4, True)}"
+                        f" ({_f(m['heldout']['spread'], 4)})", _f(m["heldout"]["rho"], 2)]
+                       for n, m in zip(names, models)]), ""]
     for n, m in zip(names, models):
         parts += [f"## {n}: elsi:3 and elsi:1 against eagle3, per condition", "",
                   md_table(["condition", "elsi:3 Δ % (CI)", "elsi:1 Δ % (CI)", "Spearman ρ"],
                            [[c["label"], _gain_cell(c["gain_m3"]), _gain_cell(c["gain_m1"]),
                              _f(c["spearman"]["rho"], 2)] for c in m["conditions"]]), ""]
     parts += ["Δ % = 100 (τ / τ of eagle3 − 1); CI: the question-bootstrap 95 % interval; the seed spread is the "
-              "largest min-max range of τ over a set's seeds, in % of eagle3's τ. Verdict rules: "
+              "largest min-max range of τ over a set's seeds, in % of eagle3's τ. Held-out: the drafts' depth-1 "
+              "top-1 match on held-out conversations (mean over seeds; spread: the largest min-max range over a "
+              "set's seeds); ρ: Spearman's between set entropy and that match. Verdict rules: "
               "`elsi/study/compare.py`.", ""]
     return "\n".join(parts)
 

@@ -163,6 +163,7 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
     # Step 3: one draft per set and each of its seeds, then its benchmark.
     i = 2
     benches: dict[tuple[str, int], dict] = {}
+    trained: dict[tuple[str, int], dict] = {}  # each draft's training.json
     for s in sets:
         for seed in seeds[s.name]:
             out = draft_dir(study_dir, s, seed)
@@ -185,6 +186,7 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
                 res = run_bench(target, drafter, cfg.bench_config(fcfg.model, draft=str(out)), on_answer=hooks.bench)
                 write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
             benches[(s.name, seed)] = read_json(path)
+            trained[(s.name, seed)] = read_json(out / TRAINING)
 
     # Step 4: vLLM serves the --vllm-sets drafts (chains), next to elsi's chain on the same questions.
     vllm = {}
@@ -206,7 +208,7 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
 
     # Step 5: the summary.
     say(n, n, f"summary: {STUDY_JSON}, {STUDY_MD}")
-    return write_summary(study_dir, plan, benches, read_json(base_path), cfg.bootstrap, command, vllm)
+    return write_summary(study_dir, plan, benches, read_json(base_path), cfg.bootstrap, command, vllm, trained)
 
 
 def vllm_path(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
@@ -234,9 +236,10 @@ def run_vllm_step(target: Target, draft: str, cfg: StudyConfig, model: str, hook
 
 
 def write_summary(study_dir: str | Path, plan: dict, benches: dict, baseline: dict, bootstrap: int,
-                  command: str = "", vllm: dict | None = None) -> dict:
-    """study.json and study.md from the plan, the benchmarks and vLLM's runs (keyed (set name, seed))."""
-    study = {"command": command, **summarize_study(plan, benches, baseline, bootstrap, vllm=vllm)}
+                  command: str = "", vllm: dict | None = None, trained: dict | None = None) -> dict:
+    """study.json and study.md from the plan, the benchmarks, vLLM's runs and the drafts' training.json
+    (each keyed (set name, seed))."""
+    study = {"command": command, **summarize_study(plan, benches, baseline, bootstrap, vllm=vllm, trained=trained)}
     write_json(Path(study_dir) / STUDY_JSON, study)
     md = Path(study_dir) / STUDY_MD
     tmp = md.with_name(md.name + ".tmp")

@@ -253,10 +253,25 @@ def vllm_rows(vllm: dict[tuple[str, int], dict]) -> list[dict]:
     return rows
 
 
+def training_rows(sets: list[dict], trained: dict[tuple[str, int], dict]) -> list[dict]:
+    """Per set, its drafts' training: steps, seconds and held-out depth-1 match per seed (in the set's seed
+    order; None where a training.json lacks it) and their mean."""
+    rows = []
+    for s in sets:
+        recs = [trained.get((s["name"], sd)) or {} for sd in s["seeds"]]
+        held = [r["heldout"]["match"][0] if r.get("heldout") else None for r in recs]
+        known = [h for h in held if h is not None]
+        rows.append({"name": s["name"], "seeds": s["seeds"], "steps": [r.get("steps") for r in recs],
+                     "train_seconds": [r.get("train_seconds") for r in recs], "heldout_match": held,
+                     "heldout_mean": _mean(known)})
+    return rows
+
+
 def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: dict, bootstrap: int = 1000,
-                    seed: int = 0, vllm: dict[tuple[str, int], dict] | None = None) -> dict:
+                    seed: int = 0, vllm: dict[tuple[str, int], dict] | None = None,
+                    trained: dict[tuple[str, int], dict] | None = None) -> dict:
     """study.json's dict from the plan, every draft's benchmark (keyed (set name, seed)) and the baseline's;
-    ``vllm``: the vLLM runs of ``--vllm-sets`` (same keys)."""
+    ``vllm``: the vLLM runs of ``--vllm-sets``, ``trained``: each draft's training.json (same keys)."""
     bench = plan["settings"]["bench"]
     seeds = plan_seeds(plan)
     sets = [{**s, "seeds": seeds[s["name"]]} for s in plan["sets"]]
@@ -283,6 +298,7 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
         "sets": sets, "seeds": plan["seeds"], "subtasks": list(dict.fromkeys(subtask_of.values())),
         "questions": len(qids), "bootstrap": {"resamples": bootstrap, "seed": seed, "unit": "Spec-Bench question"},
         "settings": plan["settings"], "baseline": speeds, "conditions": out, "vllm": vllm_rows(vllm or {}),
+        "training": training_rows(sets, trained or {}),
     }
     study["verdict"] = verdict(study)
     return study
@@ -415,6 +431,16 @@ def study_markdown(study: dict) -> str:
                  [[x["name"], x["method"], str(x["m"]), _layers(x["layers"]), _f(x["entropy"], 4),
                    _f(x["entropy_normalized"], 4)] for x in study["sets"]]), "",
     ]
+    if any(r["heldout_mean"] is not None for r in study.get("training", [])):
+        parts += ["## Drafts: training and held-out match", "",
+                  md_table(["set", "seeds", "steps", "seconds", "held-out depth-1 match per seed", "mean"],
+                           [[r["name"], ", ".join(map(str, r["seeds"])), ", ".join("–" if x is None else str(x)
+                                                                               for x in r["steps"]),
+                             ", ".join(_f(x, 0) for x in r["train_seconds"]),
+                             ", ".join(_f(x, 4) for x in r["heldout_match"]), _f(r["heldout_mean"], 4)]
+                            for r in study["training"]]), "",
+                  "Held-out: the draft's top-1 agreement with the target's next token on conversations held out "
+                  "from training (the split depends on the seed: drafts of one seed share it).", ""]
     for cond in study["conditions"]:
         parts += [f"## τ, {cond['label']}", "", md_table(*condition_table(cond, study["subtasks"])), "",
                   spearman_line(cond), ""]
