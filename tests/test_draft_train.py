@@ -64,6 +64,43 @@ def test_feature_cache_matches_target_and_is_reused(target, data, store, monkeyp
     assert calls == [] and len(again) == 16
 
 
+def test_states_beyond_float16_are_stored_scaled_and_read_back(data, tmp_path):
+    # Gemma-3's residual stream reaches ~1e5, past float16's 65504: stored plainly it became inf (and the
+    # draft's loss NaN). Here the embeddings are scaled up until the states reach ~2e5.
+    big = make_tiny_target(num_layers=6, hidden=32, seed=1)
+    with torch.no_grad():
+        big.model.model.embed_tokens.weight.mul_(3e6)
+    cfg = FeatureConfig(model="tiny-big", data=str(data), samples=4, max_tokens=64, cache_layers="1,3,6",
+                        features_dir=str(tmp_path / "feat"))
+    store = build_features(big, load_dataset(str(data)), cfg, (1, 3, 6))
+    e = store.scales["0"]["states"]  # one shard; layers 1 and 3 needed a scale, h_6 (after the final norm) not
+    assert set(store.scales) == {"0"} and e[0] > 0 and e[1] > 0 and e[2] == 0
+    s = store.sample(1, store.layer_index([3, 6]))
+    with torch.no_grad():
+        out = big.model(s["ids"][None], output_hidden_states=True)
+    ref = torch.cat([out.hidden_states[3], out.hidden_states[6]], dim=-1)[0]  # (T, 2d)
+    assert ref.abs().max() > 1e5 and s["aux"].dtype == torch.float32 and torch.isfinite(s["aux"]).all()
+    torch.testing.assert_close(s["aux"], ref, rtol=1e-3, atol=1e-3)  # float16's precision, at any magnitude
+    torch.testing.assert_close(s["final"].float(), out.hidden_states[-1][0], atol=2e-3, rtol=2e-3)
+
+
+def test_a_non_finite_loss_stops_training_before_the_step(target, store, tmp_path, monkeypatch):
+    import elsi.draft.train as train
+
+    real = train.ttt_loss
+    calls = []
+
+    def nan_at_fourth(*a, **k):
+        loss, stats, extra = real(*a, **k)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 4 else loss), stats, extra
+
+    monkeypatch.setattr(train, "ttt_loss", nan_at_fourth)
+    with pytest.raises(ValueError, match=r"the training loss is nan at step 4: a non-finite target feature"):
+        train_draft(target, store, train_cfg(tmp_path / "d"), 0, torch.device("cpu"), samples=16)
+    assert not (tmp_path / "d" / "model.safetensors").exists()
+
+
 def test_layers_not_in_cache_is_a_clear_error(target, data, store):
     cfg = FeatureConfig(model="tiny", data=str(data), samples=16, max_tokens=64, features_dir=str(store.path))
     with pytest.raises(ValueError, match=r"holds layers \[1, 3, 5, 6\]; layer\(s\) \[2\] are not in it.*--cache-layers 1,2,3,5,6"):

@@ -7,6 +7,13 @@ One target forward per sample gives, per token position t:
   on any draft vocabulary are recomputed (``elsi.draft.train.LabelHead``: only the V_draft
   rows of the target's head, once per batch);
 - ``states``: the hidden states at the cached layer ids, (L, d) float16;
+
+float16 ends at 65504, and some targets' residual streams go beyond it (Gemma-3's massive
+activations reach ~1e5): each shard stores every layer of ``states`` (and ``final``) divided by
+a power of two 2^e, the smallest that brings its largest magnitude under that limit (exact:
+fp16's relative precision is kept), and ``features.json`` records the exponents
+(``scales``: shard -> {"states": [e per layer], "final": e}); ``FeatureStore.sample``
+multiplies them back, in float32 where an exponent is not 0. A non-finite target state is an error.
 - ``mask``: whether the token belongs to an assistant reply (uint8); training and held-out
   figures score the predictions of reply tokens only, as at decoding time.
 
@@ -132,6 +139,7 @@ class FeatureStore:
         self.layers: tuple[int, ...] = tuple(self.manifest["layers"])
         self.samples: list[dict] = self.manifest["samples"]
         self.files: dict[str, dict] = self.manifest.get("files", {})  # name -> {"size", "sha256"} (older: none)
+        self.scales: dict[str, dict] = self.manifest.get("scales", {})  # shard -> power-of-two exponents (or none)
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
         for name, rec in self.files.items():  # sizes: every file, at every open
             f = self.path / name
@@ -194,20 +202,26 @@ class FeatureStore:
         return int(reply[1:].sum())
 
     def sample(self, index: int, layer_pos: Sequence[int]) -> dict[str, torch.Tensor]:
-        """Sample ``index``: ids (T,) int64, argmax (T,) int64, final (T, d) fp16, aux (T, m·d) fp16,
+        """Sample ``index``: ids (T,) int64, argmax (T,) int64, final (T, d) and aux (T, m·d) fp16 (float32 in a
+        shard stored scaled),
         reply (T,) bool: position t predicts a token of an assistant reply (t+1 is one; the last
         position copies its own flag)."""
         s = self.samples[index]
         sh = self._shard(s["shard"])
         a, b = s["offset"], s["offset"] + s["length"]
-        states = torch.from_numpy(np.array(sh["states"][a:b][:, layer_pos]))  # (T, m, d)
+        states = np.array(sh["states"][a:b][:, layer_pos])  # (T, m, d) float16
+        final = np.array(sh["final"][a:b])  # (T, d) float16
+        scale = self.scales.get(str(s["shard"]))
+        if scale is not None:  # stored / 2^e (see the module's docstring): back in float32
+            states = np.ldexp(states.astype(np.float32), np.asarray(scale["states"])[layer_pos].reshape(1, -1, 1))
+            final = np.ldexp(final.astype(np.float32), scale["final"])
         mask = torch.from_numpy(sh["mask"][a:b].astype(bool))  # (T,)
         reply = torch.cat([mask[1:], mask[-1:]])  # (T,)
         return {
             "ids": torch.from_numpy(sh["ids"][a:b].astype(np.int64)),  # (T,)
             "argmax": torch.from_numpy(sh["argmax"][a:b].astype(np.int64)),  # (T,)
-            "final": torch.from_numpy(np.array(sh["final"][a:b])),  # (T, d)
-            "aux": states.flatten(1),  # (T, m·d)
+            "final": torch.from_numpy(final),  # (T, d)
+            "aux": torch.from_numpy(states).flatten(1),  # (T, m·d)
             "reply": reply,
         }
 
@@ -279,8 +293,30 @@ def target_features(target: Target, batch: Sequence[list[int]], layers: Sequence
     res = []
     for k, seq in enumerate(batch):
         t = len(seq)
-        res.append((argmax[k, :t].cpu(), final[k, :t].half().cpu(), states[k, :t].half().cpu()))
+        res.append((argmax[k, :t].cpu(), final[k, :t].float().cpu(), states[k, :t].float().cpu()))
     return res
+
+
+FP16_MAX = 65504.0
+
+
+def fp16_exponents(x: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """The smallest e >= 0 with max |x| / 2^e <= FP16_MAX, per index of ``axis`` (None: one for all).
+    ``x``: float32 (T, L, d) or (T, d). Raises ValueError on a non-finite value."""
+    red = tuple(i for i in range(x.ndim) if i != axis) if axis is not None else None
+    peak = np.abs(x).max(axis=red) if x.size else np.zeros(x.shape[axis] if axis is not None else ())
+    if not np.all(np.isfinite(peak)):
+        raise ValueError("the target produced a non-finite hidden state (inf or NaN): check the model and --dtype")
+    e = np.ceil(np.log2(np.maximum(peak, FP16_MAX) / FP16_MAX)).astype(np.int64)  # 0 where it fits
+    return e + (np.ldexp(peak, -e) > FP16_MAX)  # rounding at the boundary
+
+
+def to_fp16(x: np.ndarray, exps: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """``x`` / 2^exps (broadcast along ``axis``) in float16: exact scaling, no overflow."""
+    shape = [1] * x.ndim
+    if axis is not None:
+        shape[axis] = -1
+    return np.ldexp(x, -np.asarray(exps).reshape(shape)).astype(np.float16)
 
 
 def build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers: Sequence[int],
@@ -398,7 +434,7 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
             for (idx, sample, ids), (am, fin, st) in zip(sub, feats):
                 parts["ids"].append(np.asarray(ids, dtype=np.int32))
                 parts["argmax"].append(am.numpy().astype(np.int32))
-                parts["final"].append(fin.numpy())
+                parts["final"].append(fin.numpy())  # float32 until the shard's exponents are known
                 parts["states"].append(st.numpy())
                 parts["mask"].append(np.asarray(assistant_mask(sample, target.tokenizer, ids), dtype=np.uint8))
                 entries.append({"index": idx, "id": sample.id, "shard": shard, "offset": offset, "length": len(ids)})
@@ -407,11 +443,17 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
             if on_progress:
                 on_progress(Progress(done + len(entries), cfg.samples, tokens, time.perf_counter() - t_begin, "forward"))
         files = man.setdefault("files", {})
-        for name, arrs in parts.items():
+        arrays = {name: np.concatenate(arrs, axis=0) for name, arrs in parts.items()}
+        exps = {"states": fp16_exponents(arrays["states"], axis=1), "final": fp16_exponents(arrays["final"])}
+        arrays["states"] = to_fp16(arrays["states"], exps["states"], axis=1)  # (T, L, d)
+        arrays["final"] = to_fp16(arrays["final"], exps["final"])  # (T, d)
+        if exps["states"].any() or exps["final"]:
+            man.setdefault("scales", {})[str(shard)] = {"states": exps["states"].tolist(), "final": int(exps["final"])}
+        for name, arr in arrays.items():
             fname = f"shard{shard:05d}.{name}.npy"
             tmp = path / (fname + ".tmp")
             with open(tmp, "wb") as f:
-                np.save(f, np.concatenate(arrs, axis=0))
+                np.save(f, arr)
             os.replace(tmp, path / fname)
             files[fname] = {"size": (path / fname).stat().st_size, "sha256": file_sha256(path / fname)}
         # Step 3: record the shard (the manifest is the commit point: a crash loses at most a shard).

@@ -670,6 +670,10 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
                     counts = scored_counts(batch, cfg.ttt)  # (ttt,)
                     dist.all_reduce(counts)
                     loss, stats, _ = ddp(batch, counts)
+            if not torch.isfinite(loss.detach()):  # before the step: the weights and the last checkpoint stay clean
+                raise ValueError(f"the training loss is {float(loss.detach())} at step {state['step'] + 1}: a non-finite "
+                                 f"target feature or label in {store.path}, or a learning rate too high ({lr:g}); "
+                                 "nothing of this step was applied")
             opt_.zero_grad(set_to_none=True)
             (loss * world).backward()  # DDP averages the W ranks' gradients: x W makes them the global batch's
             torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], cfg.grad_clip)

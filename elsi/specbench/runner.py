@@ -14,6 +14,7 @@ tokens over steps, pooled over all steps of a subtask. Warm-up generations are n
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -146,9 +147,12 @@ def answer(method: Method, name: str, q: Question, tokenizer, temperature: float
 
 
 def machine_info() -> dict:
+    """The machine a benchmark ran on, with its load average (1, 5, 15 minutes) when the record is made:
+    other jobs on the cores slow every timed figure."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
 def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
