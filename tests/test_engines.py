@@ -9,6 +9,7 @@ vLLM's rule against vLLM itself.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -279,3 +280,59 @@ def test_engine_summary_counts_emitted_tokens_and_keeps_vllms_counter():
     # the bootstrap interval of a real difference excludes 0
     far = tau_agreement([10] * 6, [10] * 6, [15] * 6, [10] * 6, 200)
     assert far["diff"] == pytest.approx(0.5) and not far["agree"]
+
+
+def test_vllm_bench_keeps_finished_configurations_across_an_interrupt(tmp_path, tiny_target, monkeypatch):
+    """`elsi bench --engine vllm` and the study's vLLM step: a configuration (method, k) that finished is kept in
+    the progress file and not run again after an interruption; the results equal an uninterrupted run's. vLLM
+    itself is a stand-in here (greedy decoding by the target; tests/test_vllm.py runs the real one)."""
+    import elsi.engines.vllm as ev
+    from elsi.engines.vllm import VllmBenchConfig, progress_path, run_vllm_bench
+    from elsi.specbench.runner import BenchConfig
+
+    draft = tmp_path / "draft"
+    random_draft(tiny_target, [2, 4, 6], draft_vocab=40).save_pretrained(draft)
+    started = []
+
+    class FakeWorker:
+        def __init__(self, model, draft=None, k=3, **kw):
+            self.k = k if draft else 0
+            started.append((bool(draft), self.k))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def generate(self, ids, max_tokens, stop):
+            if os.environ.get("FAKE_VLLM_FAIL") == str(self.k):
+                raise KeyboardInterrupt
+            with torch.no_grad():
+                out = tiny_target.model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+            new = out[0, len(ids):].tolist()
+            return {"token_ids": new, "time_s": 0.01, "spec": {"drafts": len(new), "accepted_tokens": 0,
+                                                               "draft_tokens": len(new) * self.k,
+                                                               "accepted_per_pos": [0] * self.k}}
+
+    monkeypatch.setattr(ev, "VllmWorker", FakeWorker)
+    bench = BenchConfig(subtasks=["qa"], questions_per_subtask=2, max_new_tokens=4, hf_generate=False)
+    vcfg = VllmBenchConfig(engine="vllm", spec_tokens=[1, 2], bootstrap=20)
+    ref = run_vllm_bench(tiny_target, str(draft), bench, vcfg, plain=False)
+    out = tmp_path / "res.json"
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "2")  # interrupted in vLLM's k = 2
+    started.clear()
+    with pytest.raises(KeyboardInterrupt):
+        run_vllm_bench(tiny_target, str(draft), bench, vcfg, plain=False, progress=progress_path(out))
+    kept = json.loads(progress_path(out).read_text())["done"]
+    assert set(kept) == {"spec:1", "spec:2", "vllm_spec:1"} and started == [(True, 1), (True, 2)]
+    monkeypatch.delenv("FAKE_VLLM_FAIL")
+    started.clear()
+    res = run_vllm_bench(tiny_target, str(draft), bench, vcfg, plain=False, progress=progress_path(out))
+    assert started == [(True, 2)]  # only the unfinished configuration ran again
+    strip = lambda r: [{k: v for k, v in a.items() if k not in ("time_s", "profile")} for a in r["answers"]]  # noqa: E731
+    assert strip(res) == strip(ref) and res["tokens"] == ref["tokens"]
+    # other settings: the progress file is not used (a warning says so)
+    with pytest.warns(UserWarning, match="progress of other settings"):
+        run_vllm_bench(tiny_target, str(draft), bench, VllmBenchConfig(engine="vllm", spec_tokens=[1], bootstrap=20),
+                       plain=False, progress=progress_path(out))

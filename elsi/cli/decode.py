@@ -79,8 +79,8 @@ def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime, draft_c
     """``elsi bench --engine vllm``: every check that needs no model comes first (``draft_cfg``: the
     draft's ``DraftConfig``, already checked against the model by ``check_draft_spec``)."""
     from elsi.engines import check_for_engine
-    from elsi.engines.vllm import (agreement_rows, check_vllm_eagle3, engine_rows, run_vllm_bench, vllm_python,
-                                   write_results)
+    from elsi.engines.vllm import (agreement_rows, check_vllm_eagle3, engine_rows, progress_path, run_vllm_bench,
+                                   vllm_python, write_results)
 
     python = vllm_python()
     if cfg.draft in ("random", "target"):
@@ -101,7 +101,8 @@ def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime, draft_c
     def show(what: str, done: int, total: int) -> None:
         print(f"\r{what}: [{done}/{total}]", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
-    res = run_vllm_bench(target, cfg.draft or None, cfg, vcfg, threads=rt.threads, on_answer=show)
+    progress = progress_path(cfg.out) if cfg.out else None  # finished configurations survive an interruption
+    res = run_vllm_bench(target, cfg.draft or None, cfg, vcfg, threads=rt.threads, on_answer=show, progress=progress)
     from elsi.collect.collector import package_versions
 
     res = {"command": "elsi bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "elsi bench",
@@ -114,6 +115,7 @@ def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime, draft_c
         print(table(rows, header))
     if cfg.out:
         print(f"wrote {write_results(res, cfg.out)}")
+        progress.unlink(missing_ok=True)
     return 0
 
 

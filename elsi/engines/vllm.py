@@ -13,9 +13,11 @@ is judged by a question bootstrap of the difference of the pooled τ.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -182,11 +184,14 @@ def tau_agreement(elsi_acc, elsi_steps, vllm_acc, vllm_steps, resamples: int, se
 
 
 def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: VllmBenchConfig, threads: int = 0,
-                   on_answer: Callable[[str, int, int], None] | None = None, plain: bool = True) -> dict:
+                   on_answer: Callable[[str, int, int], None] | None = None, plain: bool = True,
+                   progress: str | Path | None = None) -> dict:
     """vLLM plain and EAGLE3 (each k), elsi's plain and chain-of-k engine, transformers ``generate``:
     every method on the same Spec-Bench questions at temperature 0 -> the results dict. ``plain``
     False: the speculative runs only (no plain decoding in either engine: no speed-ups, no greedy
-    equality; τ and its agreement stay).
+    equality; τ and its agreement stay). ``progress``: a file that keeps every finished configuration
+    (method, k), so that a rerun with the same settings after an interruption redoes only the
+    unfinished one (a file of other settings is replaced, with a warning).
 
     Per method and subtask: tokens/s, τ; vLLM's acceptance per position; greedy equality of each
     vLLM run with vLLM's plain answers (every question) and with elsi's; τ agreement per k.
@@ -215,31 +220,94 @@ def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: Vllm
             return out
         return run
 
-    def run_all(name: str, k: int | None, m) -> None:
-        answer(m, name, questions[0], target.tokenizer, 0.0, k, torch.Generator().manual_seed(0))  # warm-up, untimed
-        for i, q in enumerate(questions):
-            gen = torch.Generator().manual_seed(bench.seed)
-            answers.append(answer(recorded(m, name, k, q.question_id), name, q, target.tokenizer, 0.0, k, gen))
-            if on_answer is not None:
-                on_answer(f"{name}{'' if k is None else f' k={k}'}", i + 1, len(questions))
+    settings = {"model": str(target.source), "draft": str(draft_dir) if draft_dir else None, "plain": plain,
+                "bench": asdict(bench), "vllm": {k: v for k, v in asdict(vcfg).items() if k != "vllm_log"}}
+    kept = BenchProgress(progress, settings)
+
+    def run_all(name: str, k: int | None, make: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """One configuration: every question, warm-up first (or its answers from ``progress``)."""
+        if kept.restore(name, k, answers, tokens):
+            return
+        with make() as m:
+            answer(m, name, questions[0], target.tokenizer, 0.0, k, torch.Generator().manual_seed(0))  # warm-up
+            for i, q in enumerate(questions):
+                gen = torch.Generator().manual_seed(bench.seed)
+                answers.append(answer(recorded(m, name, k, q.question_id), name, q, target.tokenizer, 0.0, k, gen))
+                if on_answer is not None:
+                    on_answer(f"{name}{'' if k is None else f' k={k}'}", i + 1, len(questions))
+        kept.save(name, k, answers, tokens)
+
+    def served(draft: str | None, k: int):  # a vLLM process for one configuration
+        @contextlib.contextmanager
+        def make():
+            with VllmWorker(target.source, draft, k, threads=threads, kv_cache_gb=vcfg.kv_cache_gb, log=log) as w:
+                yield vllm_method(w, bench.max_new_tokens, eos)
+        return make
 
     # elsi's side first (in this process), then one vLLM process per configuration.
     if bench.hf_generate:
         pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(eos)
-        run_all("hf_generate", None, hf_method(target.model, dcfg, eos, pad))
+        run_all("hf_generate", None, lambda: contextlib.nullcontext(hf_method(target.model, dcfg, eos, pad)))
     if plain:
-        run_all("plain", None, engine_method(runner, dcfg, eos))
+        run_all("plain", None, lambda: contextlib.nullcontext(engine_method(runner, dcfg, eos)))
     if drafter is not None:
         for k in vcfg.spec_tokens:
-            run_all("spec", k, engine_method(runner, dcfg, eos, drafter, TreeConfig(k, k, 1)))
+            run_all("spec", k, lambda: contextlib.nullcontext(
+                engine_method(runner, dcfg, eos, drafter, TreeConfig(k, k, 1))))
     if plain:
-        with VllmWorker(target.source, None, threads=threads, kv_cache_gb=vcfg.kv_cache_gb, log=log) as w:
-            run_all("vllm_plain", None, vllm_method(w, bench.max_new_tokens, eos))
+        run_all("vllm_plain", None, served(None, 3))
     if draft_dir:
         for k in vcfg.spec_tokens:
-            with VllmWorker(target.source, draft_dir, k, threads=threads, kv_cache_gb=vcfg.kv_cache_gb, log=log) as w:
-                run_all("vllm_spec", k, vllm_method(w, bench.max_new_tokens, eos))
+            run_all("vllm_spec", k, served(draft_dir, k))
     return summarize_engines(answers, tokens, questions, vcfg, bench)
+
+
+class BenchProgress:
+    """The finished configurations of one ``run_vllm_bench``, in a JSON file written whole after each."""
+
+    def __init__(self, path: str | Path | None, settings: dict) -> None:
+        self.path = Path(path) if path else None
+        self.settings = json.loads(json.dumps(settings))  # as JSON reads it back
+        self.done: dict[str, dict] = {}
+        if self.path is not None and self.path.is_file():
+            try:
+                rec = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                rec = None
+            if isinstance(rec, dict) and rec.get("settings") == self.settings:
+                self.done = rec.get("done", {})
+            else:
+                warnings.warn(f"{self.path} holds the progress of other settings (or is damaged): starting over")
+
+    @staticmethod
+    def _key(name: str, k: int | None) -> str:
+        return f"{name}:{k}"
+
+    def restore(self, name: str, k: int | None, answers: list, tokens: dict) -> bool:
+        """Put a finished configuration's answers and tokens back; False when it is not finished."""
+        from elsi.specbench.runner import Answer
+
+        rec = self.done.get(self._key(name, k))
+        if rec is None:
+            return False
+        answers.extend(Answer(**a) for a in rec["answers"])
+        tokens.update({(name, k, int(q)): t for q, t in rec["tokens"].items()})
+        return True
+
+    def save(self, name: str, k: int | None, answers: list, tokens: dict) -> None:
+        if self.path is None:
+            return
+        self.done[self._key(name, k)] = {
+            "answers": [asdict(a) for a in answers if a.method == name and a.tree_nodes == k],
+            "tokens": {str(q): t for (m, kk, q), t in tokens.items() if m == name and kk == k}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"settings": self.settings, "done": self.done}))
+        tmp.replace(self.path)
+
+    def clear(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
 
 def _per_question(answers, method: str, k) -> dict[int, object]:
@@ -356,11 +424,21 @@ def agreement_rows(results: dict) -> tuple[list[str], list[list]]:
 
 
 def write_results(results: dict, path: str | Path) -> Path:
+    """The results, written whole (temporary file, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(path)
     return path
 
 
-__all__ = ["VENV_ENV", "VllmBenchConfig", "VllmWorker", "agreement_rows", "engine_rows", "resummarize",
-           "run_vllm_bench", "summarize_engines", "tau_agreement", "vllm_python", "write_results"]
+def progress_path(out: str | Path) -> Path:
+    """Where a benchmark writing ``out`` keeps its finished configurations until it is done."""
+    out = Path(out)
+    return out.with_name(out.name + ".progress")
+
+
+__all__ = ["VENV_ENV", "BenchProgress", "VllmBenchConfig", "VllmWorker", "agreement_rows", "check_vllm_eagle3", "engine_rows",
+           "progress_path", "resummarize", "run_vllm_bench", "summarize_engines", "tau_agreement", "vllm_eagle3_support",
+           "vllm_python", "write_results"]

@@ -32,6 +32,7 @@ from elsi.decode.drafters import load_drafter
 from elsi.draft.features import FeatureConfig, FeatureStore, build_features
 from elsi.draft.features import Progress as FeatureProgress
 from elsi.draft.train import TRAINING, TrainConfig, train_draft
+from elsi.engines.vllm import VllmBenchConfig, progress_path, run_vllm_bench
 from elsi.draft.train import Progress as TrainProgress
 from elsi.models.load import Target
 from elsi.specbench.runner import Answer, machine_info, run_bench
@@ -202,8 +203,10 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
                 say(i, n, f"vLLM serves {s.name} seed {seed} (done: {path})")
             else:
                 say(i, n, f"vLLM serves {s.name} seed {seed}: chains of k = {cfg.vllm_spec_tokens}")
-                rec = run_vllm_step(target, str(draft_dir(study_dir, s, seed)), cfg, fcfg.model, hooks)
+                progress = progress_path(path)
+                rec = run_vllm_step(target, str(draft_dir(study_dir, s, seed)), cfg, fcfg.model, hooks, progress)
                 write_json(path, _bench_record(rec, set=s.name, seed=seed, study_settings=want))
+                progress.unlink(missing_ok=True)
             vllm[(s.name, seed)] = rec
 
     # Step 5: the summary.
@@ -222,17 +225,17 @@ def vllm_settings(cfg: StudyConfig, model: str) -> dict:
             "max_new_tokens": cfg.max_new_tokens, "seed": cfg.bench_seed}
 
 
-def run_vllm_step(target: Target, draft: str, cfg: StudyConfig, model: str, hooks: Hooks) -> dict:
-    """One draft served by vLLM and by elsi's chain, each --vllm-spec-tokens k, at temperature 0."""
-    from elsi.engines.vllm import VllmBenchConfig, run_vllm_bench
-
+def run_vllm_step(target: Target, draft: str, cfg: StudyConfig, model: str, hooks: Hooks,
+                  progress: Path | None = None) -> dict:
+    """One draft served by vLLM and by elsi's chain, each --vllm-spec-tokens k, at temperature 0
+    (``progress``: its finished configurations, kept across an interruption)."""
     if target.dtype_name != "float32":
         raise ValueError(f"--vllm-sets compares both engines in float32; the study's target is in {target.dtype_name}:"
                          " pass --dtype float32 (or auto)")
     bench = replace(cfg.bench_config(model, draft=draft), temperature=[0.0], hf_generate=False, plain=False)
     vcfg = VllmBenchConfig(engine="vllm", spec_tokens=list(cfg.vllm_spec_tokens), bootstrap=cfg.bootstrap)
     return run_vllm_bench(target, draft, bench, vcfg, threads=torch.get_num_threads(), on_answer=hooks.vllm,
-                          plain=False)
+                          plain=False, progress=progress)
 
 
 def write_summary(study_dir: str | Path, plan: dict, benches: dict, baseline: dict, bootstrap: int,
