@@ -6,7 +6,8 @@
 # that the load on the machine cannot favour one set) on 1,200 ShareGPT conversations (such a draft sees under
 # one epoch of them: the default 4,800 would change nothing but the disk: 11 layers x 13.8 KB/token);
 # eight sets, three seeds for eagle3 and elsi:3; the paper's grid (temperature 0 and 1, 30 and 60 tree
-# nodes) and this machine's best tree (one drafted token); 2 questions per subtask, 48 new tokens; vLLM serves
+# nodes) and this machine's best tree (one drafted token);
+# 2 questions per subtask, 48 new tokens; vLLM serves
 # the eagle3 and elsi:3 drafts as chains of one token (make vllm first; SmolLM2 only, see below).
 set -e
 MODEL=${1:?usage: bash bench/study.sh MODEL [STUDY_DIR]}

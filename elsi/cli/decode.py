@@ -79,8 +79,8 @@ def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime, draft_c
     """``elsi bench --engine vllm``: every check that needs no model comes first (``draft_cfg``: the
     draft's ``DraftConfig``, already checked against the model by ``check_draft_spec``)."""
     from elsi.engines import check_for_engine
-    from elsi.engines.vllm import (agreement_rows, check_vllm_eagle3, engine_rows, progress_path, run_vllm_bench,
-                                   vllm_python, write_results)
+    from elsi.engines.vllm import (agreement_rows, check_vllm_eagle3, engine_rows, progress_path, require_float32,
+                                   run_vllm_bench, vllm_python, write_results)
 
     python = vllm_python()
     if cfg.draft in ("random", "target"):
@@ -92,8 +92,7 @@ def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime, draft_c
             raise ValueError(f"--draft {cfg.draft} holds {extra} besides model.safetensors: vLLM loads every "
                              "*.safetensors of a draft directory; move them out")
     device, dtype = rt.setup()
-    if dtype != torch.float32:
-        raise ValueError(f"--engine vllm compares both engines in float32, got --dtype {rt.dtype}")
+    require_float32(dtype, "--engine vllm")
     target = load_target(cfg.model, device, dtype, rt.trust_remote_code)
     if cfg.draft:
         check_vllm_eagle3(target.model, python)

@@ -92,12 +92,10 @@ def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime)
         warnings.warn(f"the analysis in {run_dir} is of model {plan['run_model']!r}, the study trains drafts for "
                       f"{fcfg.model!r}")
     if plan["vllm"]["sets"]:  # before hours of training: vLLM's environment and the precision it compares in
-        from elsi.engines.vllm import check_vllm_eagle3, vllm_python
+        from elsi.engines.vllm import check_vllm_eagle3, require_float32, vllm_python
 
         vllm_python()
-        if dtype != torch.float32:
-            raise ValueError(f"--vllm-sets compares both engines in float32; --dtype {rt.dtype} loads the target in "
-                             f"{dtype}: use --dtype auto or float32")
+        require_float32(dtype, "--vllm-sets")
     prepare_study(cfg.out, plan, cfg.restart)
     print(table([[s["name"], ",".join(map(str, s["layers"])), f"{s['entropy']:.4f}", ",".join(map(str, s["seeds"]))]
                  for s in plan["sets"]], ["set", "layers", "entropy (nats)", "seeds"]), file=sys.stderr)

@@ -65,6 +65,16 @@ def vllm_eagle3_support(architecture: str, python: Path | None = None) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def require_float32(dtype, flag: str) -> None:
+    """ValueError unless the target decodes in float32: both engines are compared at the same precision
+    (``flag``: the option that asked for the comparison, named in the error)."""
+    import torch
+
+    if dtype != torch.float32:
+        raise ValueError(f"{flag} compares both engines in float32, but the target is loaded in {dtype}: "
+                         "use --dtype float32 (or auto)")
+
+
 def check_vllm_eagle3(model, python: Path | None = None) -> None:
     """ValueError naming the architecture where vLLM would not serve an EAGLE-3 draft for ``model``
     (a transformers model), before any benchmark runs."""
@@ -440,5 +450,5 @@ def progress_path(out: str | Path) -> Path:
 
 
 __all__ = ["VENV_ENV", "BenchProgress", "VllmBenchConfig", "VllmWorker", "agreement_rows", "check_vllm_eagle3", "engine_rows",
-           "progress_path", "resummarize", "run_vllm_bench", "summarize_engines", "tau_agreement", "vllm_eagle3_support",
+           "progress_path", "require_float32", "resummarize", "run_vllm_bench", "summarize_engines", "tau_agreement", "vllm_eagle3_support",
            "vllm_python", "write_results"]

@@ -32,8 +32,8 @@ from elsi.decode.drafters import load_drafter
 from elsi.draft.features import FeatureConfig, FeatureStore, build_features
 from elsi.draft.features import Progress as FeatureProgress
 from elsi.draft.train import TRAINING, TrainConfig, train_draft
-from elsi.engines.vllm import VllmBenchConfig, progress_path, run_vllm_bench
 from elsi.draft.train import Progress as TrainProgress
+from elsi.engines.vllm import VllmBenchConfig, progress_path, require_float32, run_vllm_bench
 from elsi.models.load import Target
 from elsi.specbench.runner import Answer, machine_info, run_bench
 from elsi.study.plan import PLAN, LayerSet, StudyConfig, layer_sets, plan_seeds, write_plan
@@ -144,7 +144,7 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
     served = plan.get("vllm", {}).get("sets", [])
     n = 3 + sum((2 + (s.name in served)) * len(seeds[s.name]) for s in sets)
     (study_dir / BENCH).mkdir(parents=True, exist_ok=True)
-    if plan.get("vllm", {}).get("sets"):
+    if served:
         (study_dir / VLLM).mkdir(exist_ok=True)
 
     # Step 1: the target's features for every set's layers, once.
@@ -229,9 +229,7 @@ def run_vllm_step(target: Target, draft: str, cfg: StudyConfig, model: str, hook
                   progress: Path | None = None) -> dict:
     """One draft served by vLLM and by elsi's chain, each --vllm-spec-tokens k, at temperature 0
     (``progress``: its finished configurations, kept across an interruption)."""
-    if target.dtype_name != "float32":
-        raise ValueError(f"--vllm-sets compares both engines in float32; the study's target is in {target.dtype_name}:"
-                         " pass --dtype float32 (or auto)")
+    require_float32(target.model.dtype, "--vllm-sets")
     bench = replace(cfg.bench_config(model, draft=draft), temperature=[0.0], hf_generate=False, plain=False)
     vcfg = VllmBenchConfig(engine="vllm", spec_tokens=list(cfg.vllm_spec_tokens), bootstrap=cfg.bootstrap)
     return run_vllm_bench(target, draft, bench, vcfg, threads=torch.get_num_threads(), on_answer=hooks.vllm,
