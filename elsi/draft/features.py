@@ -7,6 +7,8 @@ One target forward per sample gives, per token position t:
   on any draft vocabulary are recomputed (``elsi.draft.train.LabelHead``: only the V_draft
   rows of the target's head, once per batch);
 - ``states``: the hidden states at the cached layer ids, (L, d) float16;
+- ``mask``: whether the token belongs to an assistant reply (uint8); training and held-out
+  figures score the predictions of reply tokens only, as at decoding time.
 
 float16 ends at 65504, and some targets' residual streams go beyond it (Gemma-3's massive
 activations reach ~1e5): each shard stores every layer of ``states`` (and ``final``) divided by
@@ -14,8 +16,6 @@ a power of two 2^e, the smallest that brings its largest magnitude under that li
 fp16's relative precision is kept), and ``features.json`` records the exponents
 (``scales``: shard -> {"states": [e per layer], "final": e}); ``FeatureStore.sample``
 multiplies them back, in float32 where an exponent is not 0. A non-finite target state is an error.
-- ``mask``: whether the token belongs to an assistant reply (uint8); training and held-out
-  figures score the predictions of reply tokens only, as at decoding time.
 
 The cache directory is keyed by model, data and settings (max tokens, seed, regeneration),
 not by the number of samples: a longer run extends it and a shorter one reads its prefix.

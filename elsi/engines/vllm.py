@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from elsi.collect.store import write_json
 from elsi.config import opt
 from elsi.decode.engine import DecodeConfig
 from elsi.specbench.runner import BenchConfig
@@ -311,13 +312,7 @@ class BenchProgress:
             "answers": [asdict(a) for a in answers if a.method == name and a.tree_nodes == k],
             "tokens": {str(q): t for (m, kk, q), t in tokens.items() if m == name and kk == k}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"settings": self.settings, "done": self.done}))
-        tmp.replace(self.path)
-
-    def clear(self) -> None:
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
+        write_json(self.path, {"settings": self.settings, "done": self.done})
 
 
 def _per_question(answers, method: str, k) -> dict[int, object]:
@@ -434,12 +429,10 @@ def agreement_rows(results: dict) -> tuple[list[str], list[list]]:
 
 
 def write_results(results: dict, path: str | Path) -> Path:
-    """The results, written whole (temporary file, then rename)."""
+    """The results, written whole (``elsi.collect.store.write_json``: temporary file, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(results, indent=1))
-    tmp.replace(path)
+    write_json(path, results)
     return path
 
 
@@ -449,6 +442,6 @@ def progress_path(out: str | Path) -> Path:
     return out.with_name(out.name + ".progress")
 
 
-__all__ = ["VENV_ENV", "BenchProgress", "VllmBenchConfig", "VllmWorker", "agreement_rows", "check_vllm_eagle3", "engine_rows",
-           "progress_path", "require_float32", "resummarize", "run_vllm_bench", "summarize_engines", "tau_agreement", "vllm_eagle3_support",
-           "vllm_python", "write_results"]
+__all__ = ["VENV_ENV", "BenchProgress", "VllmBenchConfig", "VllmWorker", "agreement_rows", "check_vllm_eagle3",
+           "engine_rows", "progress_path", "require_float32", "resummarize", "run_vllm_bench", "summarize_engines",
+           "tau_agreement", "vllm_eagle3_support", "vllm_python", "write_results"]

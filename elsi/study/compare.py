@@ -88,12 +88,17 @@ def gain(cond: dict, name: str, ref: str = "eagle3") -> dict | None:
             "subtasks": subs}
 
 
+def _gain_numbers(g: dict) -> str:
+    """A gain in words: Δ % [interval], seed spread %."""
+    return (f"Δ {_f(g['delta_pct'], 2, True)} % [{_f(g['ci_low_pct'], 2, True)}, {_f(g['ci_high_pct'], 2, True)}], "
+            f"seed spread {_f(g['seed_spread_pct'], 2)} %")
+
+
 def judge_m3(g: dict | None) -> tuple[str, str]:
     low = PAPER["m3_gain"]["low_pct"]
     if g is None or g["ci_low_pct"] is None:
         return UNRESOLVED, "elsi:3 or eagle3 missing, or no bootstrap"
-    txt = (f"Δ {_f(g['delta_pct'], 2, True)} % [{_f(g['ci_low_pct'], 2, True)}, {_f(g['ci_high_pct'], 2, True)}], "
-           f"seed spread {_f(g['seed_spread_pct'], 2)} %")
+    txt = _gain_numbers(g)
     if g["ci_low_pct"] > 0 and g["beyond_seed_spread"]:
         return SUPPORTED, txt
     spread = g["seed_spread_pct"]
@@ -106,8 +111,7 @@ def judge_m1(g: dict | None) -> tuple[str, str]:
     margin = PAPER["m3_gain"]["low_pct"]
     if g is None or g["ci_low_pct"] is None:
         return UNRESOLVED, "elsi:1 or eagle3 missing, or no bootstrap"
-    txt = (f"Δ {_f(g['delta_pct'], 2, True)} % [{_f(g['ci_low_pct'], 2, True)}, {_f(g['ci_high_pct'], 2, True)}], "
-           f"seed spread {_f(g['seed_spread_pct'], 2)} %")
+    txt = _gain_numbers(g)
     if -margin < g["ci_low_pct"] and g["ci_high_pct"] < margin:
         return SUPPORTED, txt + f" (inside ±{margin} %)"
     if (g["ci_low_pct"] > 0 or g["ci_high_pct"] < 0) and g["beyond_seed_spread"]:

@@ -73,14 +73,9 @@ class StudyConfig:
             raise ValueError("--sets is empty: give at least one layer set")
         if not self.seeds:
             raise ValueError("--seeds is empty: give at least one seed")
-        dup = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
-        if dup:
-            raise ValueError(f"--seeds repeats {dup}")
-        dup = sorted({s for s in self.multi_seed_sets if self.multi_seed_sets.count(s) > 1})
-        if dup:
-            raise ValueError(f"--multi-seed-sets repeats {dup}")
-        for flag, names in (("--vllm-sets", self.vllm_sets),):
-            dup = sorted({x for x in names if names.count(x) > 1})
+        for flag, values in (("--seeds", self.seeds), ("--multi-seed-sets", self.multi_seed_sets),
+                             ("--vllm-sets", self.vllm_sets)):
+            dup = sorted({x for x in values if values.count(x) > 1})
             if dup:
                 raise ValueError(f"{flag} repeats {dup}")
         if not self.vllm_spec_tokens or any(k < 1 for k in self.vllm_spec_tokens):

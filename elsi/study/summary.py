@@ -144,6 +144,12 @@ def pooled_tau(w: np.ndarray, acc: np.ndarray, steps: np.ndarray) -> np.ndarray:
     return np.where(s > 0, (w @ acc) / np.where(s > 0, s, 1.0), np.nan)
 
 
+def seeds_tau(w: np.ndarray, stats: dict[tuple[str, int], dict], seeds: dict[str, list[int]], name: str) -> np.ndarray:
+    """A set's pooled τ in every resample (R, Q) counts ``w``, mean over its seeds' drafts -> (R,)."""
+    return np.mean([pooled_tau(w, stats[(name, sd)]["accepted"], stats[(name, sd)]["steps"]) for sd in seeds[name]],
+                   axis=0)
+
+
 def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: dict[tuple[str, int], dict],
                         weights: np.ndarray | None, temperature, tree_nodes,
                         subtasks: dict[str, np.ndarray] | None = None) -> dict:
@@ -171,7 +177,7 @@ def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: di
         }
         rows.append(row)
         if weights is not None:
-            boot[s["name"]] = np.mean([pooled_tau(weights, p["accepted"], p["steps"]) for p in per], axis=0)  # (R,)
+            boot[s["name"]] = seeds_tau(weights, stats, seeds, s["name"])  # (R,)
     by = {r["name"]: r for r in rows}
     for r in rows:
         r["delta_pct"] = {ref: (100.0 * (r["tau_all"] / by[ref]["tau_all"] - 1.0)
@@ -227,9 +233,7 @@ def subtask_gaps(row: dict, ref: dict, stats: dict[tuple[str, int], dict], seeds
         lo = hi = None
         if weights is not None:
             w = weights * mask  # (R, Q): this subtask's questions only
-            side = lambda name: np.mean([pooled_tau(w, stats[(name, sd)]["accepted"],  # noqa: E731
-                                                    stats[(name, sd)]["steps"]) for sd in seeds[name]], axis=0)
-            lo, hi = interval(side(row["name"]) - side(ref["name"]))
+            lo, hi = interval(seeds_tau(w, stats, seeds, row["name"]) - seeds_tau(w, stats, seeds, ref["name"]))
         out[sub] = {"delta": t - t_ref, "delta_pct": 100.0 * (t / t_ref - 1.0) if t_ref else None,
                     "ci_low": lo, "ci_high": hi}
     return out
