@@ -142,6 +142,32 @@ def test_keep_rows_moves_the_accepted_path():
     assert cache.layers[0].keys.shape[2] == 7
 
 
+def test_node_logits_computes_the_spine_at_once_and_other_nodes_on_demand():
+    """The walk's logits: the spine (root, best child, its best child) in one head product, any other
+    visited node one row on demand, each node's logits those of a one-row product."""
+    from elsi.decode.engine import _node_logits
+    from elsi.decode.tree import make_tree
+
+    r = stub_runner()
+    calls = []
+    one_row = r.logits
+    r.logits = lambda h: calls.append(h.shape[0]) or one_row(h)
+    # root 0 -> children 1 (best), 2; 1 -> 3 (best), 4; 3 -> 5
+    tree = make_tree(torch.tensor([0, 1, 5, 2, 9, 3]), torch.tensor([-1, 0, 0, 1, 1, 3]),
+                     torch.tensor([0, 1, 1, 2, 2, 3]))
+    hidden = torch.nn.functional.one_hot(tree.tokens, V).float()  # (6, V)
+    logits_of = _node_logits(r, hidden, tree)
+    assert calls == [3]  # nodes 0, 1, 3
+    for node in (0, 1, 3, 0):
+        assert torch.equal(logits_of(node), one_row(hidden[node:node + 1])[0])
+    assert calls == [3]
+    assert torch.equal(logits_of(4), one_row(hidden[4:5])[0]) and calls == [3, 1]
+    logits_of(4)
+    assert calls == [3, 1]  # kept once computed
+    assert _node_logits(r, hidden[:1], make_tree(torch.tensor([0]), torch.tensor([-1]), torch.tensor([0]))) \
+        and calls == [3, 1, 1]  # a root-only tree: one row
+
+
 def test_stub_cache_holds_exactly_the_accepted_sequence():
     """After decoding, the target cache's keys are the one-hots of prompt + output[:-1]."""
     r = stub_runner()

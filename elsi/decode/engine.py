@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from elsi.config import opt
-from elsi.decode.tree import TreeConfig, attention_masks, build_tree
+from elsi.decode.tree import Tree, TreeConfig, attention_masks, build_tree
 from elsi.decode.verify import choose, greedy_walk, sampling_walk
 from elsi.models.adapters import Adapter
 
@@ -303,7 +303,7 @@ def _tree_steps(runner: TargetRunner, cache, cache_len: int, new: list[int], ses
         hidden, feats = runner.forward(t.tokens, pos, cache, mask, layers)  # (n, d), (n, F)
         clock.lap("target")
         # Step 3: walk the tree with the target's logits.
-        logits_of = _node_logits(runner, hidden)
+        logits_of = _node_logits(runner, hidden, t)
         if cfg.temperature <= 0:
             path, bonus = greedy_walk(t, logits_of)
         else:
@@ -325,15 +325,28 @@ def _tree_steps(runner: TargetRunner, cache, cache_len: int, new: list[int], ses
         clock.lap("commit")
 
 
-def _node_logits(runner: TargetRunner, hidden: torch.Tensor):
-    """``logits_of(node)`` for the walk: the LM head on the visited nodes only, one row each.
+# Rows of the LM head computed in one product before the walk starts: on CPU a product of 1 to 3 rows
+# costs about one row's time (the weight read dominates; bench/head_rows.py), 4 rows twice that.
+SPINE_ROWS = 3
 
-    hidden (n, d). On CPU a one-row head (a matrix-vector product) costs a fraction of a
-    batch over every internal node, and a walk visits tau nodes on average.
+
+def _node_logits(runner: TargetRunner, hidden: torch.Tensor, tree: Tree, spine_rows: int = SPINE_ROWS):
+    """``logits_of(node)`` for the walk: the LM head on the visited nodes only.
+
+    hidden (n, d). The tree's spine (the root, its best child, that child's best child, up to
+    ``spine_rows`` nodes: the path a walk takes when the draft's first choices are accepted) gets its
+    logits in one product; any other node the walk visits gets one row on demand. A head over every
+    node would cost several times a walk's tau visited rows on CPU.
     """
+    spine = [0]
+    while len(spine) < spine_rows and tree.children[spine[-1]]:
+        spine.append(tree.children[spine[-1]][0])
+    known = dict(zip(spine, runner.logits(hidden[spine])))  # node -> (V,)
 
     def logits_of(node: int) -> torch.Tensor:
-        return runner.logits(hidden[node:node + 1])[0]  # (V,)
+        if node not in known:
+            known[node] = runner.logits(hidden[node:node + 1])[0]  # (V,)
+        return known[node]
 
     return logits_of
 
