@@ -8,6 +8,11 @@ warm-up excluded, medians reported):
 - ``features``: the feature pass of ``train-draft`` (``target_features``: forward, hidden states
   stored fp16): tokens/s, relative error of the bf16 features against the fp32 ones (both fp16),
   agreement of the target's argmax (the hard label).
+- ``compile``: the feature pass as ``train-draft`` runs it (``--compile``): float32 and bf16, each eager and
+  under ``torch.compile`` (``elsi.models.compiled.Forward``), alternated per sample after a warm-up that
+  includes each compilation (its seconds reported): tokens/s and speed-up over float32 eager, the argmax
+  agreement and feature error of each against float32 eager, and the operator shares of the eager bf16
+  forward (torch.profiler, ``--profile-samples`` samples).
 - ``regen``: ``--regenerate``'s batched greedy generation of answers: tokens/s, how many answers
   are identical and where the first differing token falls.
 - ``train``: draft training steps from the same initial weights on the same conversations, fp32
@@ -43,6 +48,7 @@ from elsi.collect.collector import _forward, package_versions
 from elsi.collect.grams import block_grams, blocks_of, filter_positions, kept_count, token_entropy, unpack
 from elsi.data import iter_tokenized, load_dataset
 from elsi.draft.features import regenerate_batch, target_features
+from elsi.models.compiled import Forward
 from elsi.models import load_target
 from elsi.stats.entropy import kernel_entropy
 
@@ -109,6 +115,47 @@ def stage_features(t32, t16, samples, warmup, layers):
     return {"samples": len(timed), "tokens": tokens, "layers": list(layers), "tokens_per_s": tps,
             "speedup": tps["bfloat16"] / tps["float32"], "feature_relative_error_median": statistics.median(rel),
             "feature_relative_error_max": max(rel), "argmax_agreement": agree / n}
+
+
+def stage_compile(t32, t16, samples, warmup, layers, profile_samples):
+    from torch.profiler import profile
+
+    fwd = {"float32": Forward(t32.model, False), "bfloat16": Forward(t16.model, False),
+           "bfloat16_compiled": Forward(t16.model, True, strict=True),
+           "float32_compiled": Forward(t32.model, True, strict=True)}
+    target = {k: (t16 if k.startswith("bfloat16") else t32) for k in fwd}
+    compile_s = {}
+    for k in ("bfloat16_compiled", "float32_compiled"):  # the first call compiles: timed apart
+        t0 = time.perf_counter()
+        target_features(target[k], [samples[0]], layers, fwd[k])
+        compile_s[k] = time.perf_counter() - t0
+    times = _alternate({k: (lambda ids, k=k: target_features(target[k], [ids], layers, fwd[k])) for k in fwd},
+                       samples, warmup)
+    timed = samples[warmup:]
+    tokens = sum(map(len, timed))
+    tps = {k: tokens / sum(v) for k, v in times.items()}
+    quality = {}
+    for k in fwd:
+        rel, agree, n = [], 0, 0
+        for ids in timed:
+            (a32, _, s32), = target_features(t32, [ids], layers)
+            (a, _, st), = target_features(target[k], [ids], layers, fwd[k])
+            rel.append(float((st[1:].float() - s32[1:].float()).norm() / s32[1:].float().norm()))
+            agree += int((a == a32).sum())
+            n += a32.numel()
+        quality[k] = {"argmax_agreement_with_float32": agree / n, "feature_relative_error_median": statistics.median(rel)}
+    with profile() as prof:
+        for ids in timed[:profile_samples]:
+            target_features(t16, [ids], layers)
+    ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ev)
+    ops = [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in ev[:15]]
+    return {"samples": len(timed), "tokens": tokens, "layers": list(layers), "tokens_per_s": tps,
+            "speedup_vs_float32": {k: v / tps["float32"] for k, v in tps.items()},
+            "speedup_of_compile": {"bfloat16": tps["bfloat16_compiled"] / tps["bfloat16"],
+                                   "float32": tps["float32_compiled"] / tps["float32"]},
+            "compile_and_first_call_s": compile_s, "quality": quality,
+            "bfloat16_eager_profile": {"samples": min(profile_samples, len(timed)), "ops": ops}}
 
 
 def stage_regen(t32, t16, batches, max_new):
@@ -256,6 +303,7 @@ def main() -> int:
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--train-batch", type=int, default=1)
     ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--profile-samples", type=int, default=3, help="compile stage: samples of the bf16 profile")
     ap.add_argument("--out", default="bench/results/bf16.json")
     args = ap.parse_args()
     if args.threads:
@@ -278,6 +326,10 @@ def main() -> int:
         if "features" in stages:
             res["stages"]["features"] = stage_features(t32, t16, samples, args.warmup, layers)
             print(json.dumps({"features": res["stages"]["features"]}), file=sys.stderr)
+        if "compile" in stages:
+            res["stages"]["compile"] = stage_compile(t32, t16, samples, args.warmup, layers, args.profile_samples)
+            print(json.dumps({"compile": {k: v for k, v in res["stages"]["compile"].items()
+                                          if k != "bfloat16_eager_profile"}}), file=sys.stderr)
         if "regen" in stages:
             prompts = [s for s in load_dataset("sharegpt").samples
                        if s.text is None and any(r == "user" for r, _ in s.messages)][: 8 * args.regen_batches]

@@ -64,6 +64,27 @@ def test_feature_cache_matches_target_and_is_reused(target, data, store, monkeyp
     assert calls == [] and len(again) == 16
 
 
+def test_compiled_feature_pass_stores_the_eager_features(target, data, store, tmp_path):
+    """--compile on: the same cache as the eager pass (float32 target: equal up to float16 storage and the
+    fused kernels' rounding), the same hard labels."""
+    cfg = FeatureConfig(model="tiny", data=str(data), samples=16, max_tokens=64, cache_layers="1,3,5,6",
+                        features_dir=str(tmp_path / "feat"), compile="on")
+    stages = []
+    compiled = build_features(target, load_dataset(str(data)), cfg, (1, 3, 6), on_progress=lambda p: stages.append(p.stage))
+    assert stages[0] == "compiling the forward" and stages[-1] == "forward (compiled)"
+    pos = store.layer_index([1, 3, 5, 6])
+    for i in range(len(store)):
+        a, b = store.sample(i, pos), compiled.sample(i, pos)
+        assert torch.equal(a["ids"], b["ids"]) and torch.equal(a["argmax"], b["argmax"])
+        torch.testing.assert_close(b["aux"].float(), a["aux"].float(), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(b["final"].float(), a["final"].float(), atol=2e-3, rtol=2e-3)
+
+
+def test_bad_compile_mode_is_a_clear_error(data):
+    with pytest.raises(ValueError, match="--compile must be one of auto, on, off, got 'yes'"):
+        FeatureConfig(model="tiny", data=str(data), compile="yes")
+
+
 def test_states_beyond_float16_are_stored_scaled_and_read_back(data, tmp_path):
     # Gemma-3's residual stream reaches ~1e5, past float16's 65504: stored plainly it became inf (and the
     # draft's loss NaN). Here the embeddings are scaled up until the states reach ~2e5.
@@ -378,6 +399,16 @@ def test_soft_cross_entropy_top1_is_argmax_including_ties():
     p = torch.full_like(logits, 1 / 30)
     for z in (logits, logits.bfloat16()):
         assert torch.equal(SoftCrossEntropy.apply(z, p)[1], logits.argmax(-1))
+
+
+def test_greedy_tokens_is_argmax_including_ties():
+    from elsi.draft.features import greedy_tokens
+
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randint(0, 6, (3, 50, 4000), generator=gen).float()  # many tied maxima, a long row
+    assert bool(((logits == logits.amax(-1, keepdim=True)).sum(-1) > 1).all())
+    for z in (logits, logits.bfloat16(), logits[0]):
+        assert torch.equal(greedy_tokens(z), z.float().argmax(-1))
 
 
 def test_frozen_head_stays_at_the_targets_rows(target, store, tmp_path):

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from elsi.collect.collector import dist_info
 from elsi.collect.store import RunError, load_tensors, save_tensors
 from elsi.config import opt
-from elsi.draft.features import FeatureStore, split_samples
+from elsi.draft.features import FeatureStore, greedy_tokens, split_samples
 from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
 from elsi.draft.vocab import build_vocab, target_to_draft
 from elsi.models.load import Target
@@ -376,7 +376,7 @@ def chain_runs(draft: Eagle3Draft, batch: Batch, outs: list) -> torch.Tensor:
     run = torch.zeros_like(batch.input_ids)  # (B, T)
     for j, (logits, _) in enumerate(outs):
         want = _shift(batch.argmax, j, -1)
-        hit = (draft.to_target_ids(logits.argmax(-1)) == want) & _shift(batch.valid, j, False)
+        hit = (draft.to_target_ids(greedy_tokens(logits)) == want) & _shift(batch.valid, j, False)
         alive &= hit
         run += alive.long()
     return torch.bincount(run[batch.valid], minlength=steps + 1)

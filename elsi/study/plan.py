@@ -223,7 +223,7 @@ def set_entropy(selector: Selector, layers: tuple[int, ...]) -> float:
 
 def plan_settings(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, selector: Selector) -> dict:
     """Every setting that shapes a draft or a benchmark (what a rerun must match)."""
-    features = {k: v for k, v in asdict(fcfg).items() if k not in ("cache_layers", "features_dir", "forward_batch")}
+    features = {k: v for k, v in asdict(fcfg).items() if k not in ("cache_layers", "features_dir", "forward_batch", "compile")}
     features["data"] = data_identity(fcfg.data)  # by content: the same file elsewhere is the same data
     train = {k: v for k, v in asdict(tcfg).items()
              if k not in ("layers", "out", "restart", "time_budget", "eval_every", "checkpoint_every")}
