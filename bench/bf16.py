@@ -8,16 +8,17 @@ warm-up excluded, medians reported):
 - ``features``: the feature pass of ``train-draft`` (``target_features``: forward, hidden states
   stored fp16): tokens/s, relative error of the bf16 features against the fp32 ones (both fp16),
   agreement of the target's argmax (the hard label).
-- ``compile``: the feature pass as ``train-draft`` runs it (``--compile``): float32 and bf16, each eager and
-  under ``torch.compile`` (``elsi.models.compiled.Forward``), alternated per sample after a warm-up that
-  includes each compilation (its seconds reported): tokens/s and speed-up over float32 eager, the argmax
-  agreement and feature error of each against float32 eager, and the operator shares of the eager bf16
-  forward (torch.profiler, ``--profile-samples`` samples).
+- ``compile``: the feature pass as ``train-draft`` runs it: float32 and bf16 eager and bf16 under
+  ``--compile``, alternated per sample after the compilation (its seconds reported): tokens/s and
+  speed-ups over float32, the argmax agreement and feature error of each against float32, and the
+  operator shares of the eager bf16 forward (torch.profiler, ``--profile-samples`` samples). (A float32
+  compiled variant interleaved with these slowed the eager bf16 one by 40 %: left out.)
 - ``regen``: ``--regenerate``'s batched greedy generation of answers: tokens/s, how many answers
   are identical and where the first differing token falls.
 - ``train``: draft training steps from the same initial weights on the same conversations, fp32
-  against ``--train-dtype bfloat16`` autocast (fp32 master weights): scored tokens/s and both loss
-  curves (step by step) and their held-out match after the same number of steps.
+  against ``--train-dtype bfloat16`` autocast (fp32 master weights), each eager and compiled
+  (``--train-compile``): scored tokens/s and the loss curves (step by step) and their held-out
+  match after the same number of steps.
 - ``analyze``: the whole main job, ``elsi analyze`` (``--analyze-samples``, default 200, as ``make run``)
   then ``elsi select --method all``, once with ``--dtype float32`` and once with ``bfloat16``, each
   from an empty run directory in a subprocess: wall time and tokens/s of each, then
@@ -48,7 +49,7 @@ from elsi.collect.collector import _forward, package_versions
 from elsi.collect.grams import block_grams, blocks_of, filter_positions, kept_count, token_entropy, unpack
 from elsi.data import iter_tokenized, load_dataset
 from elsi.draft.features import regenerate_batch, target_features
-from elsi.models.compiled import Forward
+from elsi.models.compiled import compiled
 from elsi.models import load_target
 from elsi.stats.entropy import kernel_entropy
 
@@ -120,15 +121,14 @@ def stage_features(t32, t16, samples, warmup, layers):
 def stage_compile(t32, t16, samples, warmup, layers, profile_samples):
     from torch.profiler import profile
 
-    fwd = {"float32": Forward(t32.model, False), "bfloat16": Forward(t16.model, False),
-           "bfloat16_compiled": Forward(t16.model, True, strict=True),
-           "float32_compiled": Forward(t32.model, True, strict=True)}
+    cpu = torch.device("cpu")
+    fwd = {"float32": None, "bfloat16": None,  # target_features' default: the eager decoder
+           "bfloat16_compiled": compiled(t16.adapter.decoder(t16.model), True, cpu, "bench")}
     target = {k: (t16 if k.startswith("bfloat16") else t32) for k in fwd}
     compile_s = {}
-    for k in ("bfloat16_compiled", "float32_compiled"):  # the first call compiles: timed apart
-        t0 = time.perf_counter()
-        target_features(target[k], [samples[0]], layers, fwd[k])
-        compile_s[k] = time.perf_counter() - t0
+    t0 = time.perf_counter()  # the first call compiles: timed apart
+    target_features(t16, [samples[0]], layers, fwd["bfloat16_compiled"])
+    compile_s["bfloat16_compiled"] = time.perf_counter() - t0
     times = _alternate({k: (lambda ids, k=k: target_features(target[k], [ids], layers, fwd[k])) for k in fwd},
                        samples, warmup)
     timed = samples[warmup:]
@@ -152,8 +152,7 @@ def stage_compile(t32, t16, samples, warmup, layers, profile_samples):
     ops = [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in ev[:15]]
     return {"samples": len(timed), "tokens": tokens, "layers": list(layers), "tokens_per_s": tps,
             "speedup_vs_float32": {k: v / tps["float32"] for k, v in tps.items()},
-            "speedup_of_compile": {"bfloat16": tps["bfloat16_compiled"] / tps["bfloat16"],
-                                   "float32": tps["float32_compiled"] / tps["float32"]},
+            "speedup_of_compile": tps["bfloat16_compiled"] / tps["bfloat16"],
             "compile_and_first_call_s": compile_s, "quality": quality,
             "bfloat16_eager_profile": {"samples": min(profile_samples, len(timed)), "ops": ops}}
 
@@ -181,24 +180,33 @@ def stage_regen(t32, t16, batches, max_new):
 
 
 def stage_train(target, features_dir: str, layers: str, steps: int, batch_size: int, out_root: Path) -> dict:
-    """The same draft training run (same init, data order and steps) with float32 and bf16-autocast matmuls."""
+    """The same draft training run (same init, data order and steps) with float32 and bf16-autocast matmuls,
+    each eager and with the unrolled forward compiled (``--train-compile``). ``train_tokens_per_s`` counts the
+    whole run (the compilation in the first step included); ``steady_tokens_per_s`` from step 10 on."""
     from elsi.draft.features import FeatureStore
     from elsi.draft.train import TrainConfig, train_draft
 
     store = FeatureStore(features_dir)
     out = {}
-    for dt in ("float32", "bfloat16"):
-        cfg = TrainConfig(layers=layers, out=str(out_root / f"train-{dt}"), max_steps=steps, time_budget="0",
+    for name, dt, comp in (("float32", "float32", False), ("bfloat16", "bfloat16", False),
+                           ("bfloat16_compiled", "bfloat16", True), ("float32_compiled", "float32", True)):
+        cfg = TrainConfig(layers=layers, out=str(out_root / f"train-{name}"), max_steps=steps, time_budget="0",
                           epochs=100.0, batch_size=batch_size, eval_every="0", checkpoint_every="0", restart=True,
-                          train_dtype=dt)
+                          train_dtype=dt, train_compile=comp)
         rec = train_draft(target, store, cfg, 0, torch.device("cpu"))
-        out[dt] = {"train_tokens_per_s": rec["train_tokens_per_s"], "train_seconds": rec["train_seconds"],
-                   "steps": rec["steps"], "heldout_match": rec["heldout"]["match"],
-                   "curve": [{k: c[k] for k in ("step", "loss", "acc")} for c in rec["curve"]]}
-        print(json.dumps({dt: {k: v for k, v in out[dt].items() if k != "curve"}}), file=sys.stderr)
+        c10, end = next(c for c in rec["curve"] if c["step"] >= 10), rec["curve"][-1]
+        out[name] = {"train_tokens_per_s": rec["train_tokens_per_s"], "train_seconds": rec["train_seconds"],
+                     "steady_tokens_per_s": (end["tokens"] - c10["tokens"]) / (end["elapsed_s"] - c10["elapsed_s"]),
+                     "compiled": rec["train_compiled"], "steps": rec["steps"], "heldout_match": rec["heldout"]["match"],
+                     "curve": [{k: c[k] for k in ("step", "loss", "acc")} for c in rec["curve"]]}
+        print(json.dumps({name: {k: v for k, v in out[name].items() if k != "curve"}}), file=sys.stderr)
+    base = out["float32"]
     return {"features_dir": features_dir, "layers": layers, "steps": steps, "batch_size": batch_size, **out,
-            "speedup": out["bfloat16"]["train_tokens_per_s"] / out["float32"]["train_tokens_per_s"],
-            "heldout_match_difference_depth1": out["bfloat16"]["heldout_match"][0] - out["float32"]["heldout_match"][0]}
+            "speedup": out["bfloat16"]["train_tokens_per_s"] / base["train_tokens_per_s"],
+            "speedup_vs_float32": {k: v["train_tokens_per_s"] / base["train_tokens_per_s"] for k, v in out.items()},
+            "heldout_match_difference_depth1": out["bfloat16"]["heldout_match"][0] - base["heldout_match"][0],
+            "heldout_match_difference_depth1_vs_float32": {k: v["heldout_match"][0] - base["heldout_match"][0]
+                                                           for k, v in out.items()}}
 
 
 def stage_analyze(model: str, samples: int, threads: int, root: Path) -> dict:

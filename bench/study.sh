@@ -1,6 +1,7 @@
-# The study of issue 16 on one model family: bash bench/study.sh MODEL [STUDY_DIR]
+# The study of issue 16 on one model family: bash bench/study.sh MODEL [STUDY_DIR [OPTION...]]
 #   MODEL: smollm2-135m or gemma3-270m. Results: STUDY_DIR (default runs/study2-MODEL), copied to
 #   bench/results/study2-MODEL/ when complete. Resumable: rerun the same command after an interruption.
+#   OPTION...: further `elsi study` options (e.g. --compile off: a feature cache begun uncompiled stays so).
 # Budget for 2 CPU cores (see README "Results of the study"): drafts of the default recipe (bf16, lr 1e-3,
 # ttt 1, max 1,024 tokens) for 1,200 steps each (about 5 minutes here; a step budget, not a time budget, so
 # that the load on the machine cannot favour one set) on 1,200 ShareGPT conversations (such a draft sees under
@@ -23,4 +24,4 @@ VLLM="--vllm-sets eagle3 elsi:3 --vllm-spec-tokens 1"
   --sets eagle2 eagle3 elsi:1 elsi:2 elsi:3 elsi-c:3 low-entropy:3 uniform:3 \
   --seeds 0 1 2 --multi-seed-sets eagle3 elsi:3 --train-budget 0 --max-steps 1200 --samples 1200 \
   --questions-per-subtask 2 --max-new-tokens 48 --temperature 0 1 --tree-nodes 1 30 60 \
-  $VLLM --threads 2
+  $VLLM --threads 2 "${@:3}"

@@ -43,37 +43,14 @@ def test_plain_template_for_tokenizers_without_one():
     assert plain_template(msgs[:1], True) == "User: hi\n\nAssistant:"
 
 
-def test_compile_modes_resolve_and_name_what_is_missing(monkeypatch):
-    from elsi.models.compiled import AUTO_MIN_SAMPLES, want_compile
+def test_compile_where_inductor_cannot_build_is_a_clear_error(monkeypatch):
+    from elsi.models.compiled import compiled
 
     cpu = torch.device("cpu")
-    monkeypatch.setenv("CXX", "g++")
-    assert want_compile("on", cpu, 1) and not want_compile("off", cpu, 10**6)
-    assert want_compile("auto", cpu, AUTO_MIN_SAMPLES) and not want_compile("auto", cpu, AUTO_MIN_SAMPLES - 1)
-    monkeypatch.delenv("CXX")
-    monkeypatch.setattr("shutil.which", lambda name: None)
-    assert not want_compile("auto", cpu, 10**6)  # no compiler: auto stays eager
-    with pytest.raises(ValueError, match="--compile on: .*no C\\+\\+ compiler"):
-        want_compile("on", cpu, 10**6)
-    with pytest.raises(ValueError, match="got 'fast'"):
-        want_compile("fast", cpu, 1)
-
-
-def test_a_failed_compilation_warns_and_runs_eager(monkeypatch):
-    from elsi.models.compiled import Forward
-
-    def broken(model, **kw):
-        def fn(**inputs):
-            raise RuntimeError("inductor: no kernel\nstack")
-        return fn
-
-    monkeypatch.setattr(torch, "compile", broken)
     model = nn.Linear(3, 2)
-    x = torch.randn(4, 3)
-    fwd = Forward(model, True)
-    with pytest.warns(UserWarning, match="torch.compile failed \\(RuntimeError: inductor: no kernel\\)"):
-        y = fwd(input=x)
-    assert torch.equal(y, model(x)) and not fwd.compiled
-    strict = Forward(model, True, strict=True)
-    with pytest.raises(RuntimeError, match="no kernel"):
-        strict(input=x)
+    assert compiled(model, False, cpu, "--compile") is model
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert compiled(model, False, cpu, "--compile") is model  # off: nothing is checked
+    with pytest.raises(ValueError, match="--train-compile: .*no C\\+\\+ compiler .*leave --train-compile out"):
+        compiled(model, True, cpu, "--train-compile")

@@ -45,12 +45,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from elsi.collect.collector import dist_info
 from elsi.config import opt
 from elsi.data.conversations import (Dataset, Sample, assistant_mask, data_identity, iter_tokenized, render,
                                      tokenize)
-from elsi.models.compiled import MODES, Forward, want_compile
+from elsi.models.compiled import compiled
 from elsi.models.load import Target, cache_dir
 from elsi.stats.analysis import parse_layers as analysis_layers
 
@@ -77,16 +78,14 @@ class FeatureConfig:
     cache_layers: str = opt("", "layer ids to cache (default: --layers); give the union to reuse the cache for several drafts")
     features_dir: str = opt("", "feature cache directory (default: $ELSI_CACHE/draft_features/<key>)")
     forward_batch: int = opt(1, "samples per target forward when computing features")
-    compile: str = opt("auto", "torch.compile the target's forward for the feature pass: auto (where Inductor can "
-                               "build kernels, for a pass of 256 conversations or more), on, off", choices=MODES)
+    compile: bool = opt(False, "torch.compile the target's forward for the feature pass (the first forward "
+                               "compiles; measured: bench/results/bf16_compile.json)")
 
     def __post_init__(self) -> None:
         if self.samples < 2:
             raise ValueError(f"samples must be >= 2 (train + held-out), got {self.samples}")
         if self.max_tokens < 4:
             raise ValueError(f"max_tokens must be >= 4, got {self.max_tokens}")
-        if self.compile not in MODES:
-            raise ValueError(f"--compile must be one of {', '.join(MODES)}, got {self.compile!r}")
 
     def key(self, target_source: str, dtype: str = "float32") -> str:
         """Cache key: what determines the features, except the sample count and layers (``dtype``: the
@@ -112,7 +111,7 @@ class Progress:
     samples_total: int
     tokens: int
     elapsed_s: float
-    stage: str  # "regenerate" | "forward" | "forward (compiled)"
+    stage: str  # "regenerate" | "forward" | "compiling the forward" (before the first compiled one)
 
 
 ARRAYS = ("ids", "argmax", "final", "states", "mask")
@@ -280,17 +279,29 @@ def regenerate_batch(target: Target, samples: Sequence[Sample], max_tokens: int,
     return [Sample(s.id, tuple(c)) if s.text is None else s for s, c in zip(samples, convs)]
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits (..., V) -> the first maximal index per row (...,), as ``argmax(-1)`` gives it, from ``max(-1)``,
-    which on CPU takes well under half of ``argmax``'s time on the (tokens, V) bf16 logits of a feature pass."""
-    return logits.max(-1).indices
+def greedy_tokens(hidden: torch.Tensor, head: torch.nn.Module, chunk: int = 4096) -> torch.Tensor:
+    """The target's greedy token after each row of ``hidden`` (..., d), the input of its LM head ``head``:
+    the first maximal index of the logits, as ``head(hidden).argmax(-1)`` gives it, computed over vocabulary
+    chunks of ``chunk`` rows of the head, so that the (tokens, V) logits are never stored (on CPU that halves
+    the head's time in a bf16 feature pass: bench/bf16.py). A logit soft-cap (tanh) is monotonic: no change."""
+    w, b = head.weight, head.bias  # (V, d), (V,) or None
+    best = idx = None
+    for a in range(0, w.shape[0], chunk):
+        v, i = F.linear(hidden, w[a:a + chunk], None if b is None else b[a:a + chunk]).max(-1)  # (...,)
+        if best is None:
+            best, idx = v, i
+        else:  # strictly greater: a tie keeps the earlier chunk's (smaller) index
+            upd = v > best
+            best, idx = torch.where(upd, v, best), torch.where(upd, i + a, idx)
+    return idx
 
 
 @torch.no_grad()
 def target_features(target: Target, batch: Sequence[list[int]], layers: Sequence[int],
-                    forward: Forward | None = None):
+                    forward: Callable | None = None):
     """One target forward on a batch of token lists -> per sample (argmax (T,), final (T, d), states (T, L, d)).
-    ``forward``: the target's forward to use (compiled or not; default: ``target.model`` in eager mode)."""
+    ``forward``: the target's decoder to call (``target.adapter.decoder(target.model)`` compiled,
+    ``elsi.models.compiled``; default: that decoder)."""
     device = target.device
     width = max(map(len, batch))
     ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)  # (B, W) right-padded
@@ -298,11 +309,11 @@ def target_features(target: Target, batch: Sequence[list[int]], layers: Sequence
     for k, seq in enumerate(batch):
         ids[k, : len(seq)] = torch.tensor(seq, device=device)
         mask[k, : len(seq)] = 1
-    out = (forward or target.model)(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-    hs = out.hidden_states  # N+1 of (B, W, d)
-    final = hs[-1]  # (B, W, d): LM-head input (after the final norm)
+    decoder = target.adapter.decoder(target.model) if forward is None else forward  # no logits: see greedy_tokens
+    hs = decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False).hidden_states
+    final = hs[-1]  # (B, W, d): LM-head input (after the final norm); hs has N+1 of (B, W, d)
     states = torch.stack([hs[l] for l in layers], dim=2)  # (B, W, L, d)
-    argmax = greedy_tokens(out.logits)  # (B, W)
+    argmax = greedy_tokens(final, target.model.get_output_embeddings())  # (B, W)
     res = []
     for k, seq in enumerate(batch):
         t = len(seq)
@@ -397,8 +408,7 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
     path.mkdir(parents=True, exist_ok=True)
     cached_layers = man["layers"]
     done = len(man["samples"])
-    forward = Forward(target.model, want_compile(cfg.compile, target.device, cfg.samples - done),
-                      strict=cfg.compile == "on")
+    forward = compiled(target.adapter.decoder(target.model), cfg.compile, target.device, "--compile")
     t0 = t_begin = time.perf_counter()
     tokens = 0
     stream = iter_tokenized(dataset, target.tokenizer, cfg.max_tokens, cfg.seed)
@@ -445,7 +455,7 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
         shard = len({s["shard"] for s in man["samples"]})
         for a in range(0, len(chunk), cfg.forward_batch):
             sub = chunk[a: a + cfg.forward_batch]
-            if forward.compiled and tokens == 0 and on_progress:  # the first call compiles: say why it is slow
+            if cfg.compile and tokens == 0 and on_progress:  # the first call compiles: say why it is slow
                 on_progress(Progress(done, cfg.samples, 0, time.perf_counter() - t_begin, "compiling the forward"))
             feats = target_features(target, [ids for _, _, ids in sub], cached_layers, forward)
             for (idx, sample, ids), (am, fin, st) in zip(sub, feats):
@@ -458,8 +468,7 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
                 offset += len(ids)
                 tokens += len(ids)
             if on_progress:
-                on_progress(Progress(done + len(entries), cfg.samples, tokens, time.perf_counter() - t_begin,
-                                     "forward (compiled)" if forward.compiled else "forward"))
+                on_progress(Progress(done + len(entries), cfg.samples, tokens, time.perf_counter() - t_begin, "forward"))
         files = man.setdefault("files", {})
         arrays = {name: np.concatenate(arrs, axis=0) for name, arrs in parts.items()}
         exps = {"states": fp16_exponents(arrays["states"], axis=1), "final": fp16_exponents(arrays["final"])}

@@ -47,9 +47,10 @@ import torch.distributed as dist
 from elsi.collect.collector import dist_info
 from elsi.collect.store import RunError, load_tensors, save_tensors
 from elsi.config import opt
-from elsi.draft.features import FeatureStore, greedy_tokens, split_samples
+from elsi.draft.features import FeatureStore, split_samples
 from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
 from elsi.draft.vocab import build_vocab, target_to_draft
+from elsi.models.compiled import compiled
 from elsi.models.load import Target
 
 # In a subdirectory: vLLM and SGLang load every *.safetensors file at the top of a draft directory.
@@ -101,6 +102,8 @@ class TrainConfig:
                                    "float32 master weights, optimizer and loss), float32, or auto (bfloat16 where "
                                    "the device multiplies it natively: AMX/AVX512-BF16 CPUs, CUDA >= sm80)",
                            choices=("auto", "float32", "bfloat16"))
+    train_compile: bool = opt(False, "torch.compile the draft's unrolled forward (and backward) in training (the "
+                                     "first step compiles; measured: bench/results/bf16_train_compile.json)")
     freeze_head: bool = opt(False, "keep the LM head at its initial weights (saves a third of its compute)")
     eval_every: str = opt("2m", "held-out check (on up to 16 held-out conversations) every this long")
     checkpoint_every: str = opt("2m", "checkpoint for resuming every this long")
@@ -293,7 +296,7 @@ class SoftCrossEntropy(torch.autograd.Function):
 
 
 def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int, decay: float = 0.8,
-             denominators: torch.Tensor | None = None):
+             denominators: torch.Tensor | None = None, unroll: Callable | None = None):
     """Weighted soft cross-entropy of the unrolled draft and per-step statistics.
 
     Step j, row i is scored at target position i+1+j (``probs``/``argmax`` shifted by j);
@@ -302,10 +305,11 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int, decay: float = 0.8,
     ``denominators`` (steps,): what step j's summed cross-entropy is divided by (default: this
     batch's own ``scored_counts``; data-parallel training passes the counts of the global batch).
     Returns (loss, stats, outs): stats[j] = {"loss", "correct", "scored", "correct_in_vocab",
-    "in_vocab"} (counts of this batch); outs = ``Eagle3Draft.unroll``'s output.
+    "in_vocab"} (counts of this batch); outs = ``Eagle3Draft.unroll``'s output (``unroll``: that method
+    compiled, ``elsi.models.compiled``).
     """
     g = draft.fuse(batch.aux)  # (B, T, d)
-    outs = draft.unroll(g, batch.input_ids, batch.position_ids, steps)
+    outs = (draft.unroll if unroll is None else unroll)(g, batch.input_ids, batch.position_ids, steps)
     total = g.new_zeros(())
     stats = []
     t = batch.input_ids.shape[1]
@@ -376,7 +380,7 @@ def chain_runs(draft: Eagle3Draft, batch: Batch, outs: list) -> torch.Tensor:
     run = torch.zeros_like(batch.input_ids)  # (B, T)
     for j, (logits, _) in enumerate(outs):
         want = _shift(batch.argmax, j, -1)
-        hit = (draft.to_target_ids(greedy_tokens(logits)) == want) & _shift(batch.valid, j, False)
+        hit = (draft.to_target_ids(logits.argmax(-1)) == want) & _shift(batch.valid, j, False)
         alive &= hit
         run += alive.long()
     return torch.bincount(run[batch.valid], minlength=steps + 1)
@@ -421,13 +425,14 @@ class Progress:
 class _TTTLoss(torch.nn.Module):
     """``ttt_loss`` as a module's forward, so that DistributedDataParallel can wrap the draft's training step."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int) -> None:
+    def __init__(self, draft: Eagle3Draft, steps: int, unroll: Callable | None = None) -> None:
         super().__init__()
         self.draft = draft
         self.steps = steps
+        self.unroll = unroll
 
     def forward(self, batch: Batch, denominators: torch.Tensor):
-        return ttt_loss(self.draft, batch, self.steps, denominators=denominators)
+        return ttt_loss(self.draft, batch, self.steps, denominators=denominators, unroll=self.unroll)
 
 
 def _barrier(world: int) -> None:
@@ -530,7 +535,8 @@ def matmul_dtype(choice: str, device: torch.device) -> tuple[torch.dtype, str | 
 
 
 def _settings_key(cfg: TrainConfig, feature_settings: dict, samples: int) -> dict:
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "restart", "eval_every", "checkpoint_every")}
+    keep = {k: v for k, v in asdict(cfg).items()
+            if k not in ("out", "restart", "eval_every", "checkpoint_every", "train_compile")}
     return {"train": keep, "features": feature_settings, "samples": samples}
 
 
@@ -612,11 +618,6 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
         if on_progress:
             on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan,
                                  math.nan, 0.0, note=f"resumed from {ck} at step {state['step']}"))
-    ddp = None
-    if world > 1:  # every rank loaded the same initial (or checkpointed) weights
-        ddp = torch.nn.parallel.DistributedDataParallel(
-            _TTTLoss(draft, cfg.ttt), device_ids=[device] if device.type == "cuda" else None)
-
     budget = parse_duration(cfg.time_budget)
     eval_every = parse_duration(cfg.eval_every)
     ck_every = parse_duration(cfg.checkpoint_every)
@@ -626,6 +627,11 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
         total_steps = min(total_steps, cfg.max_steps)
     step_based = bool(cfg.max_steps) or math.isinf(budget)
     probe = held_idx[:16]
+    unroll = compiled(draft.unroll, cfg.train_compile, device, "--train-compile")
+    ddp = None
+    if world > 1:  # every rank loaded the same initial (or checkpointed) weights
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            _TTTLoss(draft, cfg.ttt, unroll), device_ids=[device] if device.type == "cuda" else None)
 
     def order(epoch: int) -> list[int]:
         perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
@@ -640,6 +646,9 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
     if warning and on_progress and rank == 0:
         on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan, math.nan,
                              0.0, note=f"warning: {warning}"))
+    if cfg.train_compile and on_progress and rank == 0:
+        on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan, math.nan,
+                             0.0, note="compiling the draft's training step (in the first step)"))
     t_start = time.perf_counter() - state["elapsed"]
     last_eval = last_ck = state["elapsed"]
     recent: list[tuple[float, int, int]] = []
@@ -665,7 +674,7 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
                 group["lr"] = lr
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mm_dtype == torch.bfloat16):
                 if ddp is None:
-                    loss, stats, _ = ttt_loss(draft, batch, cfg.ttt)
+                    loss, stats, _ = ttt_loss(draft, batch, cfg.ttt, unroll=unroll)
                 else:  # this rank's share of the global loss: per-step sums over the global batch's scored counts
                     counts = scored_counts(batch, cfg.ttt)  # (ttt,)
                     dist.all_reduce(counts)
@@ -751,6 +760,7 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
         "train_tokens_seen": state["tokens"],
         "train_tokens_per_s": state["tokens"] / max(1e-9, state["elapsed"]),
         "train_matmul_dtype": str(mm_dtype).removeprefix("torch."),
+        "train_compiled": cfg.train_compile,
         "curve": state["curve"],
         "heldout_curve": state["heldout_curve"],
         "heldout": final,

@@ -1,21 +1,16 @@
-"""The target's forward under ``torch.compile`` for the long passes over calibration and training data.
+"""``torch.compile`` for the long passes, on request: the target's forward over training data
+(``--compile``), the draft's unrolled forward in training (``--train-compile``).
 
-In eager mode a bf16 forward on a CPU spends most of its time outside the matrix products: the
-norms, rotary embeddings and activations run as separate element-wise kernels over (tokens, d)
-tensors, several of them in float32 and back (a profile of SmolLM2's feature pass: ``mul``, ``cat``,
-``copy_``, ``add``, ``pow``, ``neg`` over 60 % of operator time, ``mm`` 16 %). Inductor fuses them
-into a few vectorised loops, so the AMX products dominate again (``bench/bf16.py --stages features``).
+Inductor fuses the element-wise work of a forward (norms, rotary embeddings, activations, casts)
+into a few vectorised loops. Measured on this project's 2-core AMX CPU, alone
+(``bench/results/bf16_compile.json``, ``bf16_train_compile.json``), that buys little where the
+matrix products dominate, and compilation costs tens of seconds per process, so both are off by
+default; under contention (other jobs on the cores) and on GPUs the element-wise share is larger.
 
-A compiled forward is numerically a different program from the eager one: the fused loops keep
-intermediate values in float32 where eager rounds each op to bf16, so bf16 features move by about
-bf16's rounding (the bench reports the agreement of each with the float32 forward). Decoding never
-compiles: its one-token steps are not where the time goes and its exactness is checked against the
-eager target.
-
-Compiling costs tens of seconds (once per process and shape family: shapes are dynamic), so ``auto``
-compiles only passes long enough to repay it; ``on`` where Inductor cannot build kernels (no C++
-compiler for a CPU, no Triton for CUDA) is an error; a compilation that fails at run time under
-``auto`` warns and the pass goes on in eager mode.
+A compiled forward is numerically another program: fused loops keep intermediates in float32 where
+eager rounds each bf16 op, so bf16 features move by about bf16's rounding (the bench reports each
+one's agreement with the float32 forward). Decoding never compiles: its exactness is checked
+against the eager target.
 """
 
 from __future__ import annotations
@@ -23,13 +18,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import warnings
+from collections.abc import Callable
 
 import torch
-from torch import nn
-
-MODES = ("auto", "on", "off")
-AUTO_MIN_SAMPLES = 256  # auto: a pass over fewer conversations is not worth the compilation
 
 
 def compile_support(device: torch.device) -> tuple[bool, str]:
@@ -43,40 +34,13 @@ def compile_support(device: torch.device) -> tuple[bool, str]:
     return False, f"torch.compile is not used on {device.type}"
 
 
-def want_compile(mode: str, device: torch.device, samples: int) -> bool:
-    """Resolve ``mode`` (auto, on, off) for a pass over ``samples`` conversations on ``device``."""
-    if mode not in MODES:
-        raise ValueError(f"--compile must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "off":
-        return False
+def compiled(fn: Callable, on: bool, device: torch.device, flag: str) -> Callable:
+    """``fn`` (a module or a function) under ``torch.compile`` with dynamic shapes (conversations of other
+    lengths reuse the kernels; the first call compiles) when ``on``, else ``fn`` itself. ``on`` where
+    Inductor cannot build kernels is a clear error naming ``flag`` (the option that asked for it)."""
+    if not on:
+        return fn
     ok, why = compile_support(device)
-    if mode == "on" and not ok:
-        raise ValueError(f"--compile on: torch.compile cannot build kernels here: {why}; pass --compile off")
-    return ok and (mode == "on" or samples >= AUTO_MIN_SAMPLES)
-
-
-class Forward:
-    """``model(**inputs)``, compiled when asked: the first call compiles (with dynamic shapes, so that
-    conversations of other lengths reuse the kernels). ``strict`` (``--compile on``): a compilation
-    failure is raised; otherwise it warns once and every call runs in eager mode."""
-
-    def __init__(self, model: nn.Module, compiled: bool, strict: bool = False) -> None:
-        self.model = model
-        self.strict = strict
-        self.fn = torch.compile(model, dynamic=True) if compiled else None
-
-    @property
-    def compiled(self) -> bool:
-        return self.fn is not None
-
-    def __call__(self, **inputs):
-        if self.fn is not None:
-            try:
-                return self.fn(**inputs)
-            except Exception as e:  # Dynamo/Inductor failures have many types; eager below re-raises real errors
-                if self.strict:
-                    raise
-                warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                              "the pass goes on uncompiled (--compile off skips the attempt)", stacklevel=2)
-                self.fn = None
-        return self.model(**inputs)
+    if not ok:
+        raise ValueError(f"{flag}: torch.compile cannot build kernels here: {why}; leave {flag} out")
+    return torch.compile(fn, dynamic=True)

@@ -226,7 +226,7 @@ def plan_settings(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, sele
     features = {k: v for k, v in asdict(fcfg).items() if k not in ("cache_layers", "features_dir", "forward_batch", "compile")}
     features["data"] = data_identity(fcfg.data)  # by content: the same file elsewhere is the same data
     train = {k: v for k, v in asdict(tcfg).items()
-             if k not in ("layers", "out", "restart", "time_budget", "eval_every", "checkpoint_every")}
+             if k not in ("layers", "out", "restart", "time_budget", "eval_every", "checkpoint_every", "train_compile")}
     bench = {k: v for k, v in asdict(cfg.bench_config(fcfg.model, baseline=True)).items()
              if k not in ("model", "draft", "out", "hf_generate", "plain")}
     return {"run": str(selector.cfg.run), "features": features, "train": {**train, "time_budget": cfg.train_budget},
