@@ -15,8 +15,9 @@ declare -A PROBES=(
   [lr1e-3]="--lr 1e-3"
   [batch4]="--batch-size 4"
   [fc-norm]="--fc-norm"
+  [layer-target]="--lr 1e-3 --layer-init target"  # against lr1e-3, today's default
 )
-ORDER=(default head-target lr1e-3 batch4 fc-norm)
+ORDER=(default head-target lr1e-3 batch4 fc-norm layer-target)
 for name in "${ORDER[@]}"; do
   out=bench/results/recipe/$name.json
   [ -f "$out" ] && { echo "have $out"; continue; }

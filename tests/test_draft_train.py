@@ -474,3 +474,66 @@ def test_compiled_training_tracks_eager_training(target, store, tmp_path):
     assert len(compiled) == len(eager) and compiled[-1] < 0.95 * compiled[0]
     assert all(abs(a - b) <= 1e-3 * a for a, b in zip(eager, compiled))
     assert abs(rec[True]["heldout"]["match"][0] - rec[False]["heldout"]["match"][0]) <= 0.02
+
+
+def test_layer_init_copies_the_targets_last_layer_and_refuses_other_layer_types(target, store, tmp_path):
+    from conftest import make_tiny_gemma3
+
+    from elsi.draft.model import config_for_target
+    from elsi.draft.train import init_layer_from_target
+
+    rec = train_draft(target, store, train_cfg(tmp_path, max_steps=0, epochs=0.0, layer_init="target"), seed=0,
+                      device=torch.device("cpu"))  # no step: the saved weights are the initial ones
+    w = load_file(str(tmp_path / "model.safetensors"))
+    last = target.model.model.layers[-1]
+    d = target.hidden_size
+    for p in ("q", "k", "v"):
+        assert torch.equal(w[f"midlayer.self_attn.{p}_proj.weight"][:, d:], getattr(last.self_attn, f"{p}_proj").weight)
+        assert not torch.equal(w[f"midlayer.self_attn.{p}_proj.weight"][:, :d], torch.zeros(1))  # random, not zeros
+    assert torch.equal(w["midlayer.self_attn.o_proj.weight"], last.self_attn.o_proj.weight)
+    for p in ("gate", "up", "down"):
+        assert torch.equal(w[f"midlayer.mlp.{p}_proj.weight"], getattr(last.mlp, f"{p}_proj").weight)
+    assert torch.equal(w["midlayer.hidden_norm.weight"], last.input_layernorm.weight)
+    assert torch.equal(w["midlayer.post_attention_layernorm.weight"], last.post_attention_layernorm.weight)
+    assert rec["settings"]["train"]["layer_init"] == "target"
+    gemma = make_tiny_gemma3()
+    draft = Eagle3Draft(config_for_target(gemma, [1, 2, 4]), gemma.adapter.embed_tokens(gemma.model))
+    with pytest.raises(ValueError, match="needs a Llama-type decoder layer .*Gemma3DecoderLayer.*q_norm"):
+        init_layer_from_target(draft, gemma)
+    with pytest.raises(ValueError, match="layer_init must be 'target' or 'random', got 'last'"):
+        train_cfg(tmp_path, layer_init="last")
+
+
+def test_records_from_before_a_setting_existed_still_match(target, store, tmp_path, monkeypatch):
+    """A checkpoint (or a study's plan.json) written before layer_init existed was made with its default."""
+    import elsi.draft.train as train
+    from elsi.study.plan import plan_differences
+
+    class Stop(Exception):
+        pass
+
+    def stop(p):
+        if p.step == 3 and not p.note:
+            raise Stop
+
+    cpu = torch.device("cpu")
+    with pytest.raises(Stop):
+        train_draft(target, store, train_cfg(tmp_path, max_steps=6), seed=1, device=cpu, on_progress=stop)
+    real = train.load_checkpoint
+
+    def older(path):
+        tensors, saved = real(path)
+        del saved["settings"]["train"]["layer_init"]
+        return tensors, saved
+
+    monkeypatch.setattr(train, "load_checkpoint", older)
+    notes = []
+    train_draft(target, store, train_cfg(tmp_path, max_steps=6), seed=1, device=cpu,
+                on_progress=lambda p: notes.append(p.note) if p.note else None)
+    assert any("resumed" in n and "step 3" in n for n in notes)
+    settings = {"train": {"ttt": 1, "layer_init": "random"}, "features": {}}
+    plan = {"model": "m", "sets": [], "settings": settings}
+    old = {"model": "m", "sets": [], "settings": {"train": {"ttt": 1}, "features": {}}}
+    assert plan_differences(old, plan) == []
+    changed = {**plan, "settings": {**settings, "train": {"ttt": 1, "layer_init": "target"}}}
+    assert plan_differences(old, changed) == ["train.layer_init: 'random' in plan.json, 'target' now"]

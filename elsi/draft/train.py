@@ -104,6 +104,9 @@ class TrainConfig:
                            choices=("auto", "float32", "bfloat16"))
     train_compile: bool = opt(False, "torch.compile the draft's unrolled forward (and backward) in training (the "
                                      "first step compiles; measured: bench/results/bf16_train_compile.json)")
+    layer_init: str = opt("random", "initial midlayer: 'target' (the target's last decoder layer: its attention "
+                                    "read the state half of the draft's [embedding ; state] input, its MLP and norms "
+                                    "copied; Llama-type layers) or 'random'", choices=("target", "random"))
     freeze_head: bool = opt(False, "keep the LM head at its initial weights (saves a third of its compute)")
     eval_every: str = opt("2m", "held-out check (on up to 16 held-out conversations) every this long")
     checkpoint_every: str = opt("2m", "checkpoint for resuming every this long")
@@ -124,6 +127,8 @@ class TrainConfig:
             raise ValueError(f"loss_on must be 'reply' or 'all', got {self.loss_on!r}")
         if self.head_init not in ("target", "random"):
             raise ValueError(f"head_init must be 'target' or 'random', got {self.head_init!r}")
+        if self.layer_init not in ("target", "random"):
+            raise ValueError(f"layer_init must be 'target' or 'random', got {self.layer_init!r}")
         if self.freeze_head and self.head_init == "random":
             raise ValueError("freeze_head with head_init='random' would keep a random head; use head_init='target'")
         for name in ("time_budget", "eval_every", "checkpoint_every"):
@@ -231,6 +236,36 @@ def feature_scale(store: FeatureStore, indices: Sequence[int], layer_pos: Sequen
             break
     rms = (sq / max(1, n)).sqrt()  # (m·d_t,)
     return torch.where(rms > 1e-3, 1.0 / rms, torch.ones_like(rms))
+
+
+LLAMA_LAYER = {"input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+               "mlp.up_proj.weight", "mlp.down_proj.weight",
+               *(f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o"))}
+
+
+def init_layer_from_target(draft: Eagle3Draft, target: Target) -> None:
+    """``--layer-init target``: the draft's midlayer from the target's last decoder layer (the one that turns
+    the residual stream into what the LM head reads). q, k and v read the state half of the draft's
+    [norm(embedding) ; norm(state)] input with the layer's projections (the embedding half keeps its random
+    initialisation), and o_proj, the MLP and the norms are the layer's (its input norm as ``hidden_norm``).
+    The layer must be of the draft's own type: a Llama layer with a SiLU MLP, no biases, no q/k norms."""
+    layer = target.adapter.decoder(target.model).layers[-1]
+    names = {n for n, _ in layer.named_parameters()}
+    act = getattr(target.model.config.get_text_config(), "hidden_act", None)
+    if names != LLAMA_LAYER or act != "silu":
+        extra, missing = sorted(names - LLAMA_LAYER), sorted(LLAMA_LAYER - names)
+        raise ValueError(f"--layer-init target needs a Llama-type decoder layer (the draft's own), but "
+                         f"{type(layer).__name__} has activation {act!r}" + (f", parameters {extra} the draft's layer "
+                         f"lacks" if extra else "") + (f", no {missing}" if missing else "") + ": use --layer-init random")
+    mid, d = draft.midlayer, draft.config.hidden_size
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):  # (out, 2d) <- (out, d) on the state half
+            getattr(mid.self_attn, name).weight[:, d:].copy_(getattr(layer.self_attn, name).weight)
+        mid.self_attn.o_proj.weight.copy_(layer.self_attn.o_proj.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(mid.mlp, name).weight.copy_(getattr(layer.mlp, name).weight)
+        mid.hidden_norm.weight.copy_(layer.input_layernorm.weight)
+        mid.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
 
 
 @torch.no_grad()
@@ -534,6 +569,16 @@ def matmul_dtype(choice: str, device: torch.device) -> tuple[torch.dtype, str | 
     return torch.bfloat16, None
 
 
+# Training settings added after drafts and checkpoints were written, each with the value that does what those did:
+# a record without the key was made with that value (its checkpoint resumes, a study's plan.json still matches).
+SETTINGS_ADDED = {"layer_init": "random"}
+
+
+def with_added_settings(train: dict) -> dict:
+    """A record's training settings with the keys added since (``SETTINGS_ADDED``) filled in where absent."""
+    return {**SETTINGS_ADDED, **train}
+
+
 def _settings_key(cfg: TrainConfig, feature_settings: dict, samples: int) -> dict:
     keep = {k: v for k, v in asdict(cfg).items()
             if k not in ("out", "restart", "eval_every", "checkpoint_every", "train_compile")}
@@ -586,6 +631,8 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
     gen = torch.Generator().manual_seed(seed)
     init_weights(draft, gen)
     draft.set_vocab(d2t, t2d)
+    if cfg.layer_init == "target":
+        init_layer_from_target(draft, target)
     if cfg.head_init == "target":
         with torch.no_grad():
             draft.lm_head.weight.copy_(target_head_rows(target, vocab_ids))
@@ -610,7 +657,7 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
                          "(unpickling can run code): pass --restart to start this draft over (it deletes the file)")
     if ck.is_file() and not cfg.restart:
         tensors, saved = load_checkpoint(ck)
-        if saved["settings"] != settings:
+        if {**saved["settings"], "train": with_added_settings(saved["settings"]["train"])} != settings:
             raise ValueError(f"{ck} was written with other settings; pass --restart to start over "
                              f"or choose another --out")
         restore_checkpoint(tensors, saved["optimizer"], draft, opt_)

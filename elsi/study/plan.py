@@ -25,7 +25,7 @@ from elsi.config import like, opt
 from elsi.data.conversations import data_identity
 from elsi.data.spec_bench import SUBTASKS
 from elsi.draft.features import FeatureConfig
-from elsi.draft.train import TrainConfig, parse_duration
+from elsi.draft.train import TrainConfig, parse_duration, with_added_settings
 from elsi.select.run import SelectConfig, Selector
 from elsi.select.search import METHODS
 from elsi.specbench.runner import BenchConfig
@@ -291,7 +291,10 @@ def plan_differences(old: dict, new: dict) -> list[str]:
 
     Sets and seeds (a set's too) may be added or dropped; a set that keeps its name must keep its layers.
     """
-    diffs = _diff(_data_by_content(old.get("settings", {})), new["settings"])
+    settings = _data_by_content(old.get("settings", {}))
+    if "train" in settings:
+        settings = {**settings, "train": with_added_settings(settings["train"])}
+    diffs = _diff(settings, new["settings"])
     if old.get("model") != new["model"]:
         diffs.append(f"model: {old.get('model')!r} in plan.json, {new['model']!r} now")
     before = {s["name"]: s["layers"] for s in old.get("sets", [])}
