@@ -1,18 +1,35 @@
 # Copy a finished study's results (not its features or weights) into bench/results:
 #   bash bench/study_results.sh MODEL [STUDY_DIR]   (STUDY_DIR default runs/study2-MODEL, as bench/study.sh)
+# PARTIAL=1 copies an unfinished study's finished drafts (plan, benchmarks, training records) and lists what is
+# left in PARTIAL.txt; copied back into STUDY_DIR, they let `bash bench/study.sh MODEL` go on from there on
+# another machine (it rebuilds the feature cache, then trains and benchmarks only the missing drafts).
 set -e
 MODEL=${1:?usage: bash bench/study_results.sh MODEL [STUDY_DIR]}
 OUT=${2:-runs/study2-$MODEL}
 DEST=bench/results/study2-$MODEL
-[ -f "$OUT/study.json" ] || { echo "$OUT has no study.json: run bash bench/study.sh $MODEL first" >&2; exit 2; }
+if [ ! -f "$OUT/study.json" ] && [ "${PARTIAL:-0}" != 1 ]; then
+  echo "$OUT has no study.json: run bash bench/study.sh $MODEL first (or PARTIAL=1 for its finished drafts)" >&2; exit 2
+fi
 rm -rf "$DEST" && mkdir -p "$DEST/drafts"
-cp "$OUT/plan.json" "$OUT/study.json" "$OUT/study.md" "$DEST/"
+cp "$OUT/plan.json" "$DEST/"
+for f in study.json study.md; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$DEST/"; done
 cp -r "$OUT/bench" "$DEST/"
 [ -d "$OUT/vllm" ] && cp -r "$OUT/vllm" "$DEST/"
 [ -d "$OUT/report" ] && cp -r "$OUT/report" "$DEST/"
+: > "$DEST/.left"
 for d in "$OUT"/drafts/*/; do
-  name=$(basename "$d"); mkdir -p "$DEST/drafts/$name"
-  cp "$d/training.json" "$d/config.json" "$DEST/drafts/$name/"
+  name=$(basename "$d")
+  if [ -f "$OUT/bench/$name.json" ] && grep -q '"status": "complete"' "$d/training.json" 2>/dev/null; then
+    mkdir -p "$DEST/drafts/$name" && cp "$d/training.json" "$d/config.json" "$DEST/drafts/$name/"
+  else  # a draft record without its benchmark would need the weights, which are not copied
+    echo "draft $name: not benchmarked yet (redone from the start)" >> "$DEST/.left"
+  fi
 done
 cp "$OUT/features/features.json" "$DEST/features.json"  # what the drafts trained on (not the features themselves)
+if [ ! -f "$OUT/study.json" ]; then
+  { echo "Unfinished study ($(date -u +%F)): finished drafts and benchmarks only; to go on, copy this folder"
+    echo "to $OUT and run: bash bench/study.sh $MODEL"; cat "$DEST/.left"
+    echo "benchmarks done: $(ls "$DEST/bench" | tr '\n' ' ')"; } > "$DEST/PARTIAL.txt"
+fi
+rm -f "$DEST/.left"
 du -sh "$DEST"
