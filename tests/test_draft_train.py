@@ -64,6 +64,16 @@ def test_feature_cache_matches_target_and_is_reused(target, data, store, monkeyp
     assert calls == [] and len(again) == 16
 
 
+def _no_compiler() -> bool:
+    from elsi.models.compiled import compile_support
+
+    return not compile_support(torch.device("cpu"))[0]
+
+
+needs_compiler = pytest.mark.skipif(_no_compiler(), reason="torch.compile needs a C++ compiler on this machine")
+
+
+@needs_compiler
 def test_compiled_feature_pass_stores_the_eager_features(target, data, store, tmp_path):
     """--compile: the same cache as the eager pass (float32 target: equal up to float16 storage and the
     fused kernels' rounding), the same hard labels."""
@@ -462,6 +472,7 @@ def test_bf16_autocast_training_tracks_float32_and_falls_back_where_bf16_is_emul
     assert dt == torch.float32 and "emulated" in warning and "AVX512-BF16 False" in warning
 
 
+@needs_compiler
 def test_compiled_training_tracks_eager_training(target, store, tmp_path):
     """--train-compile: the same run (init, data order, steps) as eager, loss step by step within the fused
     kernels' rounding; the record says it was compiled."""
