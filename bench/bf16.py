@@ -100,22 +100,29 @@ def stage_collect(t32, t16, samples, warmup):
             "layer_entropy_float32": e32.tolist(), "layer_entropy_bfloat16": e16.tolist()}
 
 
+def _against(refs, target, samples, layers, forward=None) -> tuple[list[float], float]:
+    """Per sample, the relative error of ``target``'s cached-layer states against the reference features
+    ``refs`` (``target_features`` of the float32 target on the same ``samples``; position 0 excluded), and
+    the share of positions where the two argmax labels agree."""
+    rel, agree, n = [], 0, 0
+    for (a32, _, s32), ids in zip(refs, samples):
+        (a, _, st), = target_features(target, [ids], layers, forward)
+        rel.append(float((st[1:].float() - s32[1:].float()).norm() / s32[1:].float().norm()))
+        agree += int((a == a32).sum())
+        n += a32.numel()
+    return rel, agree / n
+
+
 def stage_features(t32, t16, samples, warmup, layers):
     times = _alternate({"float32": lambda ids: target_features(t32, [ids], layers),
                         "bfloat16": lambda ids: target_features(t16, [ids], layers)}, samples, warmup)
     timed = samples[warmup:]
-    rel, agree, n = [], 0, 0
-    for ids in timed:
-        (a32, f32, s32), = target_features(t32, [ids], layers)
-        (a16, f16, s16), = target_features(t16, [ids], layers)
-        rel.append(float((s16[1:].float() - s32[1:].float()).norm() / s32[1:].float().norm()))  # position 0 excluded
-        agree += int((a32 == a16).sum())
-        n += a32.numel()
+    rel, agree = _against([target_features(t32, [ids], layers)[0] for ids in timed], t16, timed, layers)
     tokens = sum(map(len, timed))
     tps = {k: tokens / sum(v) for k, v in times.items()}
     return {"samples": len(timed), "tokens": tokens, "layers": list(layers), "tokens_per_s": tps,
             "speedup": tps["bfloat16"] / tps["float32"], "feature_relative_error_median": statistics.median(rel),
-            "feature_relative_error_max": max(rel), "argmax_agreement": agree / n}
+            "feature_relative_error_max": max(rel), "argmax_agreement": agree}
 
 
 def stage_compile(t32, t16, samples, warmup, layers, profile_samples):
@@ -134,16 +141,11 @@ def stage_compile(t32, t16, samples, warmup, layers, profile_samples):
     timed = samples[warmup:]
     tokens = sum(map(len, timed))
     tps = {k: tokens / sum(v) for k, v in times.items()}
+    refs = [target_features(t32, [ids], layers)[0] for ids in timed]  # float32's, once for every variant
     quality = {}
     for k in fwd:
-        rel, agree, n = [], 0, 0
-        for ids in timed:
-            (a32, _, s32), = target_features(t32, [ids], layers)
-            (a, _, st), = target_features(target[k], [ids], layers, fwd[k])
-            rel.append(float((st[1:].float() - s32[1:].float()).norm() / s32[1:].float().norm()))
-            agree += int((a == a32).sum())
-            n += a32.numel()
-        quality[k] = {"argmax_agreement_with_float32": agree / n, "feature_relative_error_median": statistics.median(rel)}
+        rel, agree = _against(refs, target[k], timed, layers, fwd[k])
+        quality[k] = {"argmax_agreement_with_float32": agree, "feature_relative_error_median": statistics.median(rel)}
     with profile() as prof:
         for ids in timed[:profile_samples]:
             target_features(t16, [ids], layers)
