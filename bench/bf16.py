@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -52,6 +51,7 @@ from elsi.draft.features import regenerate_batch, target_features
 from elsi.models.compiled import compiled
 from elsi.models import load_target
 from elsi.stats.entropy import kernel_entropy
+from elsi.specbench.runner import machine_info
 
 
 def _samples(target, n: int, max_tokens: int = 1024) -> list[list[int]]:
@@ -319,7 +319,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     res = {"command": "python bench/bf16.py " + " ".join(sys.argv[1:]),
-           "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
+           "machine": {**machine_info(), "threads": torch.get_num_threads(),
                        "load_average_start": os.getloadavg()},
            "versions": package_versions(), "stages": {}}
     if args.compare_runs:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -28,6 +27,7 @@ from elsi.collect.collector import _forward, package_versions
 from elsi.collect.grams import block_grams, blocks_of, filter_positions, kept_count, token_entropy
 from elsi.data import iter_tokenized, load_dataset
 from elsi.models import load_target
+from elsi.specbench.runner import machine_info
 
 
 def collect_one(target, ids, rho=0.3, block=32):
@@ -87,7 +87,7 @@ def main() -> int:
         "peak_rss_mib_after_model_load": rss_model,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "threads": torch.get_num_threads(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
+        "machine": {**machine_info(), "cpus": torch.get_num_threads(),
                     "load_average_1_5_15_min": os.getloadavg()},
         "versions": package_versions(),
     }

@@ -5,10 +5,19 @@
 # figures on the 240 held-out conversations, probe curve, tokens/s) and bench/results/recipe.json (the
 # table). Alone on the machine: about 6 minutes a probe.
 #   bash bench/recipe.sh [BUDGET]       (default 5m)
+# Elsewhere (another feature cache, a step budget, a subset of the probes; e.g. on a CPU without native bf16):
+#   FEAT=DIR SAMPLES=N STEPS=N RESULTS=DIR ONLY="lr1e-3 layer-target" bash bench/recipe.sh
+#   STEPS: --max-steps N with no time budget (equal steps, whatever the machine's speed); RESULTS: the
+#   probes' records go to RESULTS/<name>.json and the table to RESULTS.json. A missing FEAT is built by the
+#   first probe (not counted in its budget; recorded in its JSON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUDGET=${1:-5m}
 FEAT=${FEAT:-runs/features-sg2400-bf16}
+SAMPLES=${SAMPLES:-4800}
+RESULTS=${RESULTS:-bench/results/recipe}
+LIMIT="--time-budget $BUDGET"
+[ -n "${STEPS:-}" ] && LIMIT="--time-budget 0"
 declare -A PROBES=(
   [default]=""
   [head-target]="--head-init target"
@@ -18,25 +27,30 @@ declare -A PROBES=(
   [layer-target]="--lr 1e-3 --layer-init target"  # against lr1e-3, today's default
 )
 ORDER=(default head-target lr1e-3 batch4 fc-norm layer-target)
+[ -n "${ONLY:-}" ] && read -r -a ORDER <<< "$ONLY"
 for name in "${ORDER[@]}"; do
-  out=bench/results/recipe/$name.json
+  [ -n "${PROBES[$name]+set}" ] || { echo "bench/recipe.sh: no probe named '$name' (${!PROBES[*]})" >&2; exit 2; }
+  out=$RESULTS/$name.json
   [ -f "$out" ] && { echo "have $out"; continue; }
-  .venv/bin/python bench/train_draft.py --samples 4800 --max-tokens 1024 --time-budget "$BUDGET" --threads 2 \
+  mkdir -p "$RESULTS"
+  .venv/bin/python bench/train_draft.py --samples "$SAMPLES" --max-tokens 1024 $LIMIT --threads 2 \
     --no-eval --label "recipe-$name" --out "runs/recipe-$name" --result "$out" \
-    --extra "--features-dir $FEAT --ttt 1 --restart --eval-every 1m ${PROBES[$name]}"
+    --extra "--features-dir $FEAT --ttt 1 --restart --eval-every 1m ${STEPS:+--max-steps $STEPS} ${PROBES[$name]}"
 done
-.venv/bin/python - "${ORDER[@]}" <<'PY'
+.venv/bin/python - "$RESULTS" "${ORDER[@]}" <<'PY'
 import json, sys
 rows = []
-for name in sys.argv[1:]:
-    r = json.load(open(f"bench/results/recipe/{name}.json"))
+results = sys.argv[1]
+for name in sys.argv[2:]:
+    r = json.load(open(f"{results}/{name}.json"))
     rows.append({"recipe": name, "command": r["command"], "heldout_depth1_match": r["heldout_depth1_match"],
                  "train_tokens_per_s": r["train_tokens_per_s"], "steps": r["steps"],
                  "epochs": r["epochs"], "train_match_last": (r["train_curve_last"] or {}).get("acc"),
                  "probe_curve": [(c["elapsed_s"], c["match"][0]) for c in r["heldout_probe_curve"]],
-                 "load_before": r["machine"]["loadavg_1_5_15_before_train"]})
+                 "load_before": r["machine"]["loadavg_1_5_15_before_train"],
+                 "cpu": r["machine"].get("cpu"), "cpu_bf16": r["machine"].get("cpu_bf16")})
 json.dump({"command": "bash bench/recipe.sh", "budget": "see each command", "probes": rows},
-          open("bench/results/recipe.json", "w"), indent=1)
+          open(f"{results}.json", "w"), indent=1)
 print("| recipe | held-out depth-1 | train match (last) | tokens/s | steps | epochs |")
 print("|---|---|---|---|---|---|")
 for r in rows:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from elsi.data import load_dataset, tokenize
 from elsi.models import load_target
 from elsi.select import SelectConfig, Selector
 from elsi.stats.entropy import kernel_entropy
+from elsi.specbench.runner import machine_info
 
 
 def timed(fn):
@@ -120,7 +120,7 @@ def main() -> int:
                          "exhaustive_m3": list(mb_ex.best), "exhaustive_seconds": t_mbx}
     sets = [(2, 15, 27), (5, 18, 27), (1, 10, 20), (3, 16, 29)]
     res["per_set_cost"] = from_states_vs_grams(Path(args.run), sel, args.state_samples, sets)
-    res["machine"] = {"platform": platform.platform(), "threads": torch.get_num_threads(),
+    res["machine"] = {**machine_info(), "threads": torch.get_num_threads(),
                       "load_average_1_5_15_min": os.getloadavg()}
     res["versions"] = package_versions()
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 
 from elsi.cli import main as elsi_main
 from elsi.draft.features import FeatureStore
+from elsi.specbench.runner import machine_info
 
 
 def run(argv: list[str]) -> float:
@@ -96,7 +96,7 @@ def main() -> None:
         "feature_tokens_per_s": (store.manifest.get("tokens") or 0) / max(1e-9, store.manifest.get("seconds") or 0),
         "wall_seconds_train_draft": wall_train,
         "settings": rec["settings"],
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": args.threads,
+        "machine": {**machine_info(), "torch": torch.__version__, "threads": args.threads,
                     "cpu_count": os.cpu_count(),
                     "loadavg_1_5_15_before_train": load_before and [round(x, 2) for x in load_before],
                     "loadavg_1_5_15_after_train": load_after and [round(x, 2) for x in load_after]},

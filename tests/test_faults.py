@@ -498,6 +498,30 @@ def test_ctrl_c_before_the_first_periodic_checkpoint_saves_one_and_resumes_exact
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_checkpoint_resumes_only_in_the_precision_it_was_trained_in(draft_target, store, tmp_path, monkeypatch):
+    """--train-dtype auto resolves per machine (bf16 where native): the same settings on another machine must not
+    finish a draft in another precision than it began in."""
+    import elsi.draft.train as train_mod
+
+    def ctrl_c_at_3(p):
+        if p.step == 3 and not p.note:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(draft_target, store, train_cfg(out), seed=4, device=CPU, on_progress=ctrl_c_at_3)
+    had = load_tensors(out / CHECKPOINT)[1]["state"]["matmul_dtype"]
+    assert had == str(train_mod.matmul_dtype("auto", CPU)[0]).removeprefix("torch.")
+    other = "float32" if had == "bfloat16" else "bfloat16"
+    monkeypatch.setattr(train_mod, "matmul_dtype", lambda choice, device: (getattr(torch, other), None))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(out / CHECKPOINT))} was trained with {had} matmuls, this run "
+                                         rf"would go on in {other} .*pass --train-dtype {had} .*--restart"):
+        train_draft(draft_target, store, train_cfg(out), seed=4, device=CPU)
+    monkeypatch.undo()
+    rec = train_draft(draft_target, store, train_cfg(out), seed=4, device=CPU)
+    assert rec["steps"] == 8 and rec["train_matmul_dtype"] == had and rec["data"]["features_dtype"] == store.dtype
+
+
 def test_feature_cache_files_are_checked(store, tmp_path):
     bad = tmp_path / "cache"
     shutil.copytree(store.path, bad)

@@ -390,6 +390,23 @@ def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
     assert json.loads((out / "study.json").read_text())["conditions"] == study["conditions"]
 
+    # The same plan where --dtype / --train-dtype auto would resolve otherwise (another machine): an error naming
+    # the finished drafts and their precision, before any work.
+    rec = json.loads((out / "drafts" / "eagle2-s0" / "training.json").read_text())
+    mm, fd = rec["train_matmul_dtype"], rec["data"]["features_dtype"]
+    assert fd == feats["settings"].get("dtype", "float32")
+    flip = {"float32": "bfloat16", "bfloat16": "float32"}
+    monkeypatch.setattr(elsi.study.run, "matmul_dtype", lambda choice, device: (getattr(torch, flip[mm]), None))
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"6 finished draft(s) were trained otherwise than this run would train the rest ({flip[mm]} matmuls" in err
+    assert f"eagle2-s0: {mm} matmuls;" in err and "elsi-2-s1" in err and "--restart" in err
+    monkeypatch.setattr(elsi.study.run, "matmul_dtype", lambda choice, device: (getattr(torch, mm), None))
+    assert main(argv + ["--dtype", flip[fd]]) == 2  # the feature pass in the other precision
+    assert f"eagle3-s1: features from the target in {fd}" in capsys.readouterr().err
+    monkeypatch.undo()
+
     # Other settings on the same directory: an error naming each difference.
     capsys.readouterr()
     assert main(argv + ["--max-new-tokens", "6", "--lr", "0.01"]) == 2

@@ -112,7 +112,7 @@ def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime)
         res = run_study(target, dataset, plan, cfg, fcfg, tcfg, device,
                         Hooks(step=bars.step, features=bars.features, train=bars.train, bench=bars.bench,
                               vllm=bars.vllm), command,
-                        features_target)
+                        features_target, str(feature_dtype).removeprefix("torch."))
     finally:
         bars.close()
     pooled = res["conditions"][-1]

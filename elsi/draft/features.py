@@ -156,6 +156,11 @@ class FeatureStore:
         return len(self.samples)
 
     @property
+    def dtype(self) -> str:
+        """The target's dtype in the forward that computed these features (older caches: float32)."""
+        return self.manifest["settings"].get("dtype", "float32")
+
+    @property
     def num_tokens(self) -> int:
         return sum(s["length"] for s in self.samples)
 
@@ -385,7 +390,7 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
                 f"{recorded['sha256'][:12]}…); --data {cfg.data} has {dataset.fingerprint['size']} bytes, sha256 "
                 f"{dataset.fingerprint['sha256'][:12]}… (other or edited data): delete the cache or choose another "
                 f"--features-dir")
-        built = store.manifest["settings"].get("dtype", "float32")
+        built = store.dtype
         if built != target.dtype_name:
             raise ValueError(f"the feature cache {path} was computed with the target in {built}, this run loads it in "
                              f"{target.dtype_name}: pass --dtype {built}, or choose another --features-dir")

@@ -50,6 +50,7 @@ from elsi.config import opt
 from elsi.draft.features import FeatureStore, split_samples
 from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
 from elsi.draft.vocab import build_vocab, target_to_draft
+from elsi.models import adapters
 from elsi.models.compiled import compiled
 from elsi.models.load import Target
 
@@ -558,9 +559,7 @@ def scored_positions(store: FeatureStore, indices: Sequence[int], loss_on: str) 
 def matmul_dtype(choice: str, device: torch.device) -> tuple[torch.dtype, str | None]:
     """The dtype of the draft's training matmuls for ``--train-dtype`` on ``device``, and a warning
     when bfloat16 was asked for where it would be emulated (several times slower than float32)."""
-    from elsi.models.adapters import fast_bf16
-
-    fast, why = fast_bf16(device)
+    fast, why = adapters.fast_bf16(device)  # looked up when called (tests stand in for the CPU's flags)
     if choice == "float32" or (choice == "auto" and not fast):
         return torch.float32, None
     if not fast:
@@ -647,7 +646,9 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
     opt_ = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
                              betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                              fused=device.type in ("cpu", "cuda") or None)
-    state = {"step": 0, "epoch": 0, "pos": 0, "elapsed": 0.0, "tokens": 0, "curve": [], "heldout_curve": []}
+    mm_name = str(mm_dtype).removeprefix("torch.")
+    state = {"step": 0, "epoch": 0, "pos": 0, "elapsed": 0.0, "tokens": 0, "curve": [], "heldout_curve": [],
+             "matmul_dtype": mm_name}
     ck = out / CHECKPOINT
     legacy = out / LEGACY_CHECKPOINT
     if cfg.restart and rank == 0:
@@ -660,6 +661,11 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
         if {**saved["settings"], "train": with_added_settings(saved["settings"]["train"])} != settings:
             raise ValueError(f"{ck} was written with other settings; pass --restart to start over "
                              f"or choose another --out")
+        had = saved["state"].get("matmul_dtype", mm_name)  # absent in checkpoints written before it was kept
+        if had != mm_name:  # --train-dtype auto resolves per machine: the same settings, another precision
+            raise ValueError(f"{ck} was trained with {had} matmuls, this run would go on in {mm_name} "
+                             f"(--train-dtype {cfg.train_dtype}; {adapters.fast_bf16(device)[1]}): pass --train-dtype {had} "
+                             "to finish it alike, or --restart to start over")
         restore_checkpoint(tensors, saved["optimizer"], draft, opt_)
         state = saved["state"]
         if on_progress:
@@ -799,14 +805,14 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
         "data": {"samples": n, "train_samples": len(train_idx), "heldout_samples": len(held_idx),
                  "train_tokens": sum(store.samples[i]["length"] for i in train_idx),
                  "heldout_tokens": sum(store.samples[i]["length"] for i in held_idx),
-                 "features_dir": str(store.path), "draft_vocab_size": len(vocab_ids),
+                 "features_dir": str(store.path), "features_dtype": store.dtype, "draft_vocab_size": len(vocab_ids),
                  "draft_vocab_coverage": coverage},
         "steps": state["step"],
         "epochs": state["epoch"] + state["pos"] / max(1, len(perm)),
         "train_seconds": state["elapsed"],
         "train_tokens_seen": state["tokens"],
         "train_tokens_per_s": state["tokens"] / max(1e-9, state["elapsed"]),
-        "train_matmul_dtype": str(mm_dtype).removeprefix("torch."),
+        "train_matmul_dtype": mm_name,
         "train_compiled": cfg.train_compile,
         "curve": state["curve"],
         "heldout_curve": state["heldout_curve"],

@@ -146,10 +146,27 @@ def answer(method: Method, name: str, q: Question, tokenizer, temperature: float
     return Answer(q.question_id, q.subtask, name, temperature, tree_nodes, new, total, steps, acc, prof)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; elsewhere what ``platform`` knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict:
     """The machine a benchmark ran on, with its load average (1, 5, 15 minutes) when the record is made:
-    other jobs on the cores slow every timed figure."""
+    other jobs on the cores slow every timed figure. ``cpu_bf16``: whether the CPU multiplies bf16 natively
+    (AMX or AVX512-BF16; without, bf16 is emulated and slower than float32), the figures' largest lever."""
+    from elsi.models.adapters import fast_bf16
+
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_bf16": fast_bf16(torch.device("cpu"))[1], "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}

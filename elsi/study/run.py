@@ -29,11 +29,13 @@ import torch
 from elsi.collect.store import RunError, read_json, write_json
 from elsi.data.conversations import Dataset
 from elsi.decode.drafters import load_drafter
+from elsi.draft.features import MANIFEST as FEATURE_MANIFEST
 from elsi.draft.features import FeatureConfig, FeatureStore, build_features
 from elsi.draft.features import Progress as FeatureProgress
-from elsi.draft.train import TRAINING, TrainConfig, train_draft
+from elsi.draft.train import TRAINING, TrainConfig, matmul_dtype, train_draft
 from elsi.draft.train import Progress as TrainProgress
 from elsi.engines.vllm import VllmBenchConfig, progress_path, require_float32, run_vllm_bench
+from elsi.models import adapters
 from elsi.models.load import Target
 from elsi.specbench.runner import Answer, machine_info, run_bench
 from elsi.study.plan import PLAN, LayerSet, StudyConfig, layer_sets, plan_seeds, write_plan
@@ -83,6 +85,47 @@ def draft_complete(path: Path) -> bool:
     return rec is not None and rec.get("status") == "complete"
 
 
+def _features_dtype(study_dir: Path, rec: dict) -> str | None:
+    """The target's dtype in the feature pass a finished draft trained on: its record's, else its feature
+    cache's, else the copy of that cache's features.json kept beside the study's records (``bench/study_results.sh``)."""
+    data = rec.get("data", {})
+    if data.get("features_dtype"):
+        return data["features_dtype"]
+    cache = [Path(data["features_dir"]) / FEATURE_MANIFEST] if data.get("features_dir") else []
+    for man in cache + [study_dir / FEATURE_MANIFEST]:
+        if man.is_file():
+            try:
+                return read_json(man).get("settings", {}).get("dtype", "float32")
+            except RunError:
+                continue
+    return None
+
+
+def precision_differences(study_dir: str | Path, plan: dict, feature_dtype: str | None, matmul_dtype: str) -> list[str]:
+    """The study's finished drafts whose precision differs from what this run would train the others in:
+    ``--dtype`` and ``--train-dtype auto`` resolve per machine (bf16 where it is native), so the same plan.json
+    resumed on another machine could mix precisions, and the sets' τ would then differ by precision, not by
+    layers. ``feature_dtype`` (None: not checked): the target's dtype in this run's feature pass;
+    ``matmul_dtype``: the drafts' training matmuls. Each entry: "<draft>: <what> <recorded>"."""
+    d, out = Path(study_dir), []
+    for s in layer_sets(plan):
+        for seed in plan_seeds(plan)[s.name]:
+            path = draft_dir(d, s, seed)
+            rec = _readable(path / TRAINING)
+            if rec is None or rec.get("status") != "complete":
+                continue  # a begun draft's checkpoint is checked by train_draft itself
+            what = []
+            mm = rec.get("train_matmul_dtype", "float32")
+            if mm != matmul_dtype:
+                what.append(f"{mm} matmuls")
+            fd = _features_dtype(d, rec)
+            if feature_dtype is not None and fd is not None and fd != feature_dtype:
+                what.append(f"features from the target in {fd}")
+            if what:
+                out.append(f"{path.name}: " + ", ".join(what))
+    return out
+
+
 def clear_study(study_dir: str | Path) -> None:
     """Remove what a study wrote (plan, drafts, benchmarks, results, report); the feature cache stays."""
     d = Path(study_dir)
@@ -124,15 +167,18 @@ def _bench_record(res: dict, **extra) -> dict:
 
 def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fcfg: FeatureConfig,
               tcfg: TrainConfig, device: torch.device, hooks: Hooks | None = None, command: str = "",
-              features_target: Target | Callable[[], Target] | None = None) -> dict:
+              features_target: Target | Callable[[], Target] | None = None, feature_dtype: str | None = None) -> dict:
     """Run (or continue) the study planned in ``plan`` (see ``prepare_study``) -> study.json's dict.
 
     ``tcfg`` is the training template: every set's draft uses it with its own layers and out
     directory and ``cfg.train_budget``. ``target`` must be the plan's model; it decodes and gives the
     drafts' labels. ``features_target``: the same model in the precision of the feature pass (e.g. bf16,
     the bulk forwards' dtype, beside a float32 ``target`` for decoding), or a function that loads it
-    (the loaded copy is let go after the feature step); default ``target``. ``command``: recorded in study.json
-    and study.md.
+    (the loaded copy is let go after the feature step); default ``target``. ``feature_dtype``: that copy's dtype
+    when ``features_target`` is a function (else read from it). ``command``: recorded in study.json and study.md.
+
+    Raises ValueError, before any work, when finished drafts were trained in another precision than this run
+    would train the rest in (``precision_differences``).
     """
     hooks = hooks or Hooks()
     say = hooks.step or (lambda i, n, text: None)
@@ -140,6 +186,17 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
     if target.num_layers != plan["num_layers"]:
         raise ValueError(f"the target has N = {target.num_layers} layers, the analysis in {plan['settings']['run']} "
                          f"N = {plan['num_layers']}: analyze this model first (--run)")
+    if feature_dtype is None and not callable(features_target):
+        feature_dtype = (features_target or target).dtype_name
+    mm_dtype = str(matmul_dtype(tcfg.train_dtype, device)[0]).removeprefix("torch.")
+    mixed = precision_differences(study_dir, plan, feature_dtype, mm_dtype)
+    if mixed:
+        raise ValueError(
+            f"{study_dir}: {len(mixed)} finished draft(s) were trained otherwise than this run would train the rest "
+            f"({mm_dtype} matmuls, features from the target in {feature_dtype}; {adapters.fast_bf16(device)[1]}): "
+            + "; ".join(mixed) + ". A study that mixes precisions compares them, not layer sets: pass the "
+            "recorded precisions (--train-dtype, --dtype; emulated bf16 is several times slower than float32), "
+            "or --restart")
     sets, seeds = layer_sets(plan), plan_seeds(plan)
     served = plan.get("vllm", {}).get("sets", [])
     n = 3 + sum((2 + (s.name in served)) * len(seeds[s.name]) for s in sets)
