@@ -28,6 +28,7 @@ from elsi.data.spec_bench import SUBTASKS, Question, load_questions
 from elsi.decode.engine import DecodeConfig, Drafter, TargetRunner, generate, stop_tokens
 from elsi.decode.tree import TreeConfig
 from elsi.models import DEFAULT_MODEL
+from elsi.models.adapters import fast_bf16
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,6 @@ def machine_info() -> dict:
     """The machine a benchmark ran on, with its load average (1, 5, 15 minutes) when the record is made:
     other jobs on the cores slow every timed figure. ``cpu_bf16``: whether the CPU multiplies bf16 natively
     (AMX or AVX512-BF16; without, bf16 is emulated and slower than float32), the figures' largest lever."""
-    from elsi.models.adapters import fast_bf16
-
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_bf16": fast_bf16(torch.device("cpu"))[1], "cpu_count": os.cpu_count(),

@@ -101,12 +101,12 @@ def _features_dtype(study_dir: Path, rec: dict) -> str | None:
     return None
 
 
-def precision_differences(study_dir: str | Path, plan: dict, feature_dtype: str | None, matmul_dtype: str) -> list[str]:
+def precision_differences(study_dir: str | Path, plan: dict, feature_dtype: str | None, mm_dtype: str) -> list[str]:
     """The study's finished drafts whose precision differs from what this run would train the others in:
     ``--dtype`` and ``--train-dtype auto`` resolve per machine (bf16 where it is native), so the same plan.json
     resumed on another machine could mix precisions, and the sets' τ would then differ by precision, not by
     layers. ``feature_dtype`` (None: not checked): the target's dtype in this run's feature pass;
-    ``matmul_dtype``: the drafts' training matmuls. Each entry: "<draft>: <what> <recorded>"."""
+    ``mm_dtype``: the dtype of this run's training matmuls. Each entry: "<draft>: <what> <recorded>"."""
     d, out = Path(study_dir), []
     for s in layer_sets(plan):
         for seed in plan_seeds(plan)[s.name]:
@@ -116,7 +116,7 @@ def precision_differences(study_dir: str | Path, plan: dict, feature_dtype: str 
                 continue  # a begun draft's checkpoint is checked by train_draft itself
             what = []
             mm = rec.get("train_matmul_dtype", "float32")
-            if mm != matmul_dtype:
+            if mm != mm_dtype:
                 what.append(f"{mm} matmuls")
             fd = _features_dtype(d, rec)
             if feature_dtype is not None and fd is not None and fd != feature_dtype:
