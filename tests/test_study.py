@@ -283,8 +283,12 @@ def _pooled_tau(answers, temperature=None):
 
 
 def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_path, monkeypatch, capsys):
+    from importlib import import_module
+
     import elsi.draft.features
     import elsi.study.run
+
+    study_cli = import_module("elsi.cli.study")
 
     out = tmp_path / "study"
     argv = _argv(tiny_dir, tiny_run, tiny_data, out)
@@ -405,6 +409,25 @@ def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_
     monkeypatch.setattr(elsi.study.run, "matmul_dtype", lambda choice, device: (getattr(torch, mm), None))
     assert main(argv + ["--dtype", flip[fd]]) == 2  # the feature pass in the other precision
     assert f"eagle3-s1: features from the target in {fd}" in capsys.readouterr().err
+
+    # --check says the same before the analysis it would select on exists (here: none at all), and does no work.
+    for mod, name in [(study_cli, "make_plan"), (study_cli, "load_target")]:
+        monkeypatch.setattr(mod, name, fail)
+    nowhere = _argv(tiny_dir, tmp_path / "no-analysis", tiny_data, out, "--check")
+    assert main(nowhere + ["--dtype", flip[fd]]) == 2
+    assert f"eagle3-s1: features from the target in {fd}" in capsys.readouterr().err
+    assert main(nowhere) == 0
+    said = capsys.readouterr().out
+    assert "can go on here" in said and f"6 finished draft(s) were trained as this run would train the rest ({mm} " \
+        f"matmuls, features from the target in {fd};" in said
+    monkeypatch.setattr(elsi.study.run, "matmul_dtype", lambda choice, device: (getattr(torch, flip[mm]), None))
+    assert main(nowhere) == 2
+    assert f"eagle2-s0: {mm} matmuls;" in capsys.readouterr().err
+    assert main(nowhere + ["--max-new-tokens", "6"]) == 2  # a setting the analysis does not decide
+    assert "bench.max_new_tokens: 5 in plan.json, 6 now" in capsys.readouterr().err
+    assert main(nowhere + ["--restart"]) == 0 and "nothing to check" in capsys.readouterr().out
+    assert main(_argv(tiny_dir, tmp_path / "no-analysis", tiny_data, tmp_path / "new", "--check")) == 0
+    assert "no plan.json yet" in capsys.readouterr().out and not (tmp_path / "new").exists()
     monkeypatch.undo()
 
     # Other settings on the same directory: an error naming each difference.

@@ -13,13 +13,16 @@ from tqdm import tqdm
 
 from elsi.cli.analyze import run_dir_for
 from elsi.cli.common import Command, Runtime, check_inputs, table
+from elsi.collect.store import read_json
 from elsi.config import opt
 from elsi.data import load_dataset
 from elsi.draft.features import FeatureConfig
 from elsi.draft.train import TrainConfig, parse_duration
 from elsi.models import load_target
 from elsi.report import build_report
-from elsi.study import Hooks, StudyConfig, make_plan, prepare_study, run_study
+from elsi.study import PLAN, Hooks, StudyConfig, make_plan, prepare_study, run_study
+from elsi.study.plan import layer_sets, plan_seeds, require_same_settings
+from elsi.study.run import check_precision, draft_complete, draft_dir
 from elsi.study.summary import condition_table, spearman_line
 
 
@@ -82,10 +85,29 @@ class _Bars:
                                  refresh=True)
 
 
+def check_study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, device: torch.device,
+                feature_dtype: str) -> int:
+    """``elsi study --check``: whether the study in ``cfg.out`` can go on here, before the analysis exists (what
+    does not depend on it: settings, the precision of finished drafts); a difference raises ValueError."""
+    path = Path(cfg.out) / PLAN
+    if cfg.restart or not path.is_file():
+        print(f"{cfg.out}: {'--restart' if cfg.restart else 'no ' + PLAN + ' yet'}: a new study, nothing to check")
+        return 0
+    require_same_settings(cfg.out, cfg, fcfg, tcfg)
+    plan = read_json(path)
+    here = check_precision(cfg.out, plan, feature_dtype, tcfg.train_dtype, device)
+    done = sum(draft_complete(draft_dir(cfg.out, s, seed)) for s in layer_sets(plan) for seed in plan_seeds(plan)[s.name])
+    print(f"{cfg.out}: can go on here: the settings match {path} (the analysis's are checked once it exists) and "
+          f"{done} finished draft(s) were trained as this run would train the rest ({here})")
+    return 0
+
+
 def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
     check_inputs(fcfg.model, fcfg.data)  # a bad --model or --data fails here, before anything loads
     device, dtype = rt.setup()
     feature_dtype = rt.resolve_dtype(device, bulk=True)  # bf16 for the feature pass where native (auto)
+    if cfg.check:
+        return check_study(cfg, fcfg, tcfg, device, str(feature_dtype).removeprefix("torch."))
     run_dir = run_dir_for(cfg.run, fcfg.model)
     plan = make_plan(cfg, fcfg, tcfg, run_dir)  # selection first: a bad set is an error before the model loads
     if plan["run_model"] not in (None, fcfg.model):

@@ -67,6 +67,9 @@ class StudyConfig:
                                    "elsi's chain (needs vLLM's environment: make vllm; the target in float32)")
     vllm_spec_tokens: list[int] = opt([1], "vLLM num_speculative_tokens k for --vllm-sets")
     restart: bool = opt(False, "delete this study's plan, drafts, benchmarks and results and start over")
+    check: bool = opt(False, "only check that the study in --out can go on here, before the analysis it selects on "
+                             "exists: its settings but the analysis's and its finished drafts' precision against "
+                             "this machine's; exit 0, or an error naming what differs")
 
     def __post_init__(self) -> None:
         if not self.sets:
@@ -221,16 +224,19 @@ def set_entropy(selector: Selector, layers: tuple[int, ...]) -> float:
     return selector.run.entropy(layers).mean
 
 
-def plan_settings(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, selector: Selector) -> dict:
-    """Every setting that shapes a draft or a benchmark (what a rerun must match)."""
+def plan_settings(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, selector: Selector | None) -> dict:
+    """Every setting that shapes a draft or a benchmark (what a rerun must match); ``selector`` None: all but the
+    analysis's own ("run", "select"), for a check before the analysis exists."""
     features = {k: v for k, v in asdict(fcfg).items() if k not in ("cache_layers", "features_dir", "forward_batch", "compile")}
     features["data"] = data_identity(fcfg.data)  # by content: the same file elsewhere is the same data
     train = {k: v for k, v in asdict(tcfg).items()
              if k not in ("layers", "out", "restart", "time_budget", "eval_every", "checkpoint_every", "train_compile")}
     bench = {k: v for k, v in asdict(cfg.bench_config(fcfg.model, baseline=True)).items()
              if k not in ("model", "draft", "out", "hf_generate", "plain")}
-    return {"run": str(selector.cfg.run), "features": features, "train": {**train, "time_budget": cfg.train_budget},
-            "bench": bench, "select": selector.settings()}
+    out = {"features": features, "train": {**train, "time_budget": cfg.train_budget}, "bench": bench}
+    if selector is None:
+        return out
+    return {"run": str(selector.cfg.run), **out, "select": selector.settings()}
 
 
 def make_plan(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, run_dir: str | Path) -> dict:
@@ -305,6 +311,28 @@ def plan_differences(old: dict, new: dict) -> list[str]:
     return diffs
 
 
+def _require_same(path: Path, diffs: list[str]) -> None:
+    if diffs:
+        raise ValueError(f"{path} was made with other settings: " + "; ".join(diffs)
+                         + ". Pass --restart to start over, or choose another --out")
+
+
+def require_same_settings(study_dir: str | Path, cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig) -> None:
+    """Raise ValueError naming what ``settings_differences`` finds (nothing: no plan.json yet, or the same)."""
+    _require_same(Path(study_dir) / PLAN, settings_differences(study_dir, cfg, fcfg, tcfg))
+
+
+def settings_differences(study_dir: str | Path, cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig) -> list[str]:
+    """What this run changes against STUDY_DIR/plan.json that does not depend on the analysis (model, features,
+    training, benchmark): ``plan_differences`` before the analysis exists (empty: none, or no plan.json yet)."""
+    path = Path(study_dir) / PLAN
+    if not path.is_file():
+        return []
+    old = read_json(path)
+    old = {**old, "settings": {k: v for k, v in old.get("settings", {}).items() if k not in ("run", "select")}}
+    return plan_differences(old, {"model": fcfg.model, "sets": [], "settings": plan_settings(cfg, fcfg, tcfg, None)})
+
+
 def write_plan(study_dir: str | Path, plan: dict, restart: bool = False) -> Path:
     """Check ``plan`` against STUDY_DIR/plan.json (unless ``restart``) and write it.
 
@@ -312,14 +340,13 @@ def write_plan(study_dir: str | Path, plan: dict, restart: bool = False) -> Path
     """
     path = Path(study_dir) / PLAN
     if path.is_file() and not restart:
-        diffs = plan_differences(read_json(path), plan)
-        if diffs:
-            raise ValueError(f"{path} was made with other settings: " + "; ".join(diffs)
-                             + ". Pass --restart to start over, or choose another --out")
+        _require_same(path, plan_differences(read_json(path), plan))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, plan)
     return path
 
 
 __all__ = ["DEFAULT_SETS", "PLAN", "LayerSet", "StudyConfig", "layer_sets", "make_plan", "parse_set",
-           "plan_differences", "plan_seeds", "resolve_sets", "set_seeds", "set_slug", "write_plan"]
+           "plan_differences", "plan_seeds", "resolve_sets", "set_seeds", "set_slug", "settings_differences",
+           "require_same_settings",
+           "write_plan"]

@@ -126,6 +126,23 @@ def precision_differences(study_dir: str | Path, plan: dict, feature_dtype: str 
     return out
 
 
+def check_precision(study_dir: str | Path, plan: dict, feature_dtype: str | None, train_dtype: str,
+                    device: torch.device) -> str:
+    """Raise ValueError naming the finished drafts of ``plan`` in ``study_dir`` that were trained in another precision
+    than this run would train the rest in on ``device`` (``--train-dtype`` ``train_dtype``, the feature pass's target
+    in ``feature_dtype``; see ``precision_differences``) -> the precision this run trains in, as words."""
+    mm_dtype = str(matmul_dtype(train_dtype, device)[0]).removeprefix("torch.")
+    here = f"{mm_dtype} matmuls, features from the target in {feature_dtype}; {adapters.fast_bf16(device)[1]}"
+    mixed = precision_differences(study_dir, plan, feature_dtype, mm_dtype)
+    if mixed:
+        raise ValueError(
+            f"{study_dir}: {len(mixed)} finished draft(s) were trained otherwise than this run would train the rest "
+            f"({here}): " + "; ".join(mixed) + ". A study that mixes precisions compares them, not layer sets: pass "
+            "the recorded precisions (--train-dtype, --dtype; emulated bf16 is several times slower than float32), "
+            "or --restart")
+    return here
+
+
 def clear_study(study_dir: str | Path) -> None:
     """Remove what a study wrote (plan, drafts, benchmarks, results, report); the feature cache stays."""
     d = Path(study_dir)
@@ -188,15 +205,7 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
                          f"N = {plan['num_layers']}: analyze this model first (--run)")
     if feature_dtype is None and not callable(features_target):
         feature_dtype = (features_target or target).dtype_name
-    mm_dtype = str(matmul_dtype(tcfg.train_dtype, device)[0]).removeprefix("torch.")
-    mixed = precision_differences(study_dir, plan, feature_dtype, mm_dtype)
-    if mixed:
-        raise ValueError(
-            f"{study_dir}: {len(mixed)} finished draft(s) were trained otherwise than this run would train the rest "
-            f"({mm_dtype} matmuls, features from the target in {feature_dtype}; {adapters.fast_bf16(device)[1]}): "
-            + "; ".join(mixed) + ". A study that mixes precisions compares them, not layer sets: pass the "
-            "recorded precisions (--train-dtype, --dtype; emulated bf16 is several times slower than float32), "
-            "or --restart")
+    check_precision(study_dir, plan, feature_dtype, tcfg.train_dtype, device)
     sets, seeds = layer_sets(plan), plan_seeds(plan)
     served = plan.get("vllm", {}).get("sets", [])
     n = 3 + sum((2 + (s.name in served)) * len(seeds[s.name]) for s in sets)
@@ -315,5 +324,6 @@ def load_study(study_dir: str | Path) -> dict:
                                "the finished benchmarks)")
 
 
-__all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "bench_path", "clear_study", "draft_dir",
-           "draft_complete", "feature_config", "load_study", "prepare_study", "run_study", "write_summary"]
+__all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "bench_path", "check_precision",
+           "clear_study", "draft_dir", "draft_complete", "feature_config", "load_study", "prepare_study", "run_study",
+           "write_summary"]
