@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -209,6 +210,61 @@ def test_vllm_rows_and_their_table():
     md = study_markdown(study)
     assert "## vLLM serving the same drafts" in md and "| eagle3 | 0    | 1 | 1.400  | 1.400" in md
     assert "3/3" in md and "1.20 / 1.25" in md
+
+
+def test_speedups_are_against_plain_decoding_timed_on_the_same_machine(tmp_path):
+    """A study resumed on another machine times plain decoding again there: each draft's speed-up is against its own
+    machine's, never a slower machine's tokens/s over a faster one's; a draft with no baseline of its machine has
+    none (its τ stands)."""
+    from elsi.collect.store import write_json
+    from elsi.specbench.runner import timing_key
+    from elsi.study.run import baseline_path, baseline_paths
+
+    qs = [(1, "mt_bench"), (2, "qa")]
+    plan = {"model": "m", "num_layers": 8, "seeds": [0, 1],
+            "settings": {"run": "r", "bench": {"temperature": [0.0], "tree_nodes": [4], "max_new_tokens": 10, "depth": 3,
+                                               "top_k": 2},
+                         "features": {"data": "d", "samples": 6, "max_tokens": 48}, "train": {"time_budget": "5m"}},
+            "sets": [{"name": "eagle3", "method": "eagle3", "m": 3, "layers": [2, 4, 5], "entropy": 1.0,
+                      "entropy_normalized": 0.5, "seeds": [0, 1]},
+                     {"name": "elsi:3", "method": "elsi", "m": 3, "layers": [1, 5, 8], "entropy": 1.2,
+                      "entropy_normalized": 0.6, "seeds": [0, 1]}]}
+    fast, slow, other = ({"cpu": c, "cpu_count": 2, "torch_threads": 2, "load_average": [x, x, x]}
+                         for c, x in (("AMX Xeon", 0.1), ("AVX2 EPYC", 0.2), ("GPU box", 0.3)))
+    # plain: 10 tokens in 1 s on the fast machine, in 4 s on the slow one
+    base = [{"machine": m, "answers": [_answer(q, s, 0.0, None, 10, 10, "plain", time_s=t) for q, s in qs]}
+            for m, t in ((fast, 1.0), (slow, 4.0))]
+    # every draft: 10 tokens in half its machine's plain time (a 2x speed-up); elsi:3 s1 ran where nothing was timed
+    runs = {("eagle3", 0): (fast, 0.5), ("eagle3", 1): (slow, 2.0), ("elsi:3", 0): (slow, 2.0), ("elsi:3", 1): (other, 1)}
+    benches = {k: {"machine": m, "answers": [_answer(q, s, 0.0, 4, 10, 20, time_s=t) for q, s in qs]}
+               for k, (m, t) in runs.items()}
+    study = summarize_study(plan, benches, base, bootstrap=0)
+    rows = {r["name"]: r for r in study["conditions"][0]["sets"]}
+    assert rows["eagle3"]["speedup_vs_plain"] == pytest.approx(2.0)  # 0.25 and 3.5 if both were against one machine
+    assert rows["elsi:3"]["speedup_vs_plain"] == pytest.approx(2.0)  # s0 alone: s1 has no baseline
+    assert rows["elsi:3"]["tau_all"] == pytest.approx(2.0) and rows["elsi:3"]["tau_seeds"] == [2.0, 2.0]
+    assert [(x["machine"], x["drafts"], x["plain_tokens_per_s"]) for x in study["baseline"]] == [
+        ("AMX Xeon, 2 threads", ["eagle3 s0"], 10.0), ("AVX2 EPYC, 2 threads", ["eagle3 s1", "elsi:3 s0"], 2.5)]
+    assert study["without_baseline"] == ["elsi:3 s1 (GPU box, 2 threads)"]
+    md = study_markdown(study)
+    assert re.search(r"\| machine +\| drafts benchmarked there +\|", md) and "eagle3 s1, elsi:3 s0" in md
+    assert "they have no speed-up (their τ stands): elsi:3 s1 (GPU box, 2 threads)." in md
+    # one machine: the old single-baseline table, unchanged
+    one = summarize_study(plan, {k: {**b, "machine": fast} for k, b in benches.items()}, base[0], bootstrap=0)
+    assert one["without_baseline"] == [] and "| machine |" not in study_markdown(one)
+
+    # Where each machine's baseline goes: the first is baseline.json, another machine's its own file; the load
+    # average is not part of the machine.
+    d = tmp_path / "study"
+    assert baseline_path(d, fast) == d / "bench" / "baseline.json" and baseline_paths(d) == []
+    (d / "bench").mkdir(parents=True)
+    write_json(d / "bench" / "baseline.json", base[0])
+    assert baseline_path(d, {**fast, "load_average": [3.0, 3.0, 3.0]}) == d / "bench" / "baseline.json"
+    p = baseline_path(d, slow)
+    assert p.parent == d / "bench" and p.name.startswith("baseline-") and p != baseline_path(d, other)
+    write_json(p, base[1])
+    assert baseline_path(d, slow) == p and baseline_paths(d) == [d / "bench" / "baseline.json", p]
+    assert timing_key(fast) != timing_key(slow) and timing_key({}) == timing_key({"load_average": [1, 1, 1]})
 
 
 def test_summary_with_one_multi_seed_set():

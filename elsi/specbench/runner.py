@@ -14,6 +14,7 @@ tokens over steps, pooled over all steps of a subtask. Warm-up generations are n
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 import time
@@ -169,6 +170,22 @@ def machine_info() -> dict:
             "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+TIMING_FIELDS = ("cpu", "cpu_capability", "cpu_count", "torch_threads", "cuda")
+
+
+def timing_key(machine: dict | None) -> str:
+    """What makes two records' timings comparable: ``machine_info``'s hardware and thread count, as one string
+    (records made before a field existed have None there, alike; the load average is not part of it)."""
+    m = machine or {}
+    return json.dumps({k: m.get(k) for k in TIMING_FIELDS}, sort_keys=True)
+
+
+def machine_label(machine: dict | None) -> str:
+    """A machine in words: its GPU or CPU (or processor, in records older than the CPU's name) and threads."""
+    m = machine or {}
+    return f"{m.get('cuda') or m.get('cpu') or m.get('processor') or 'unknown'}, {m.get('torch_threads')} threads"
 
 
 def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,

@@ -2,8 +2,9 @@
 
 Step by step (STUDY_DIR layout in docs/INTERFACES.md):
 1. Target features, once, for the union of every set's layers (``elsi.draft.features``).
-2. The baseline: plain decoding and transformers ``generate`` on the study's questions, once
-   (``bench/baseline.json``).
+2. The baseline: plain decoding and transformers ``generate`` on the study's questions, once per machine
+   (``bench/baseline.json``; ``bench/baseline-<id>.json`` on each other machine the study goes on on, so that
+   every draft's speed-up is against plain decoding timed where the draft was).
 3. Per set and each of its seeds (plan.json): train the draft (``drafts/<set>-s<seed>/``), then
    benchmark it with speculative decoding only (``bench/<set>-s<seed>.json``).
 4. ``--vllm-sets``: vLLM serves those sets' drafts (every seed) as chains of ``--vllm-spec-tokens``
@@ -18,6 +19,7 @@ Every file is written whole (temporary file, then rename).
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import warnings
 from collections.abc import Callable
@@ -37,7 +39,7 @@ from elsi.draft.train import Progress as TrainProgress
 from elsi.engines.vllm import VllmBenchConfig, progress_path, require_float32, run_vllm_bench
 from elsi.models import adapters
 from elsi.models.load import Target
-from elsi.specbench.runner import Answer, machine_info, run_bench
+from elsi.specbench.runner import Answer, machine_info, machine_label, run_bench, timing_key
 from elsi.study.plan import PLAN, LayerSet, StudyConfig, layer_sets, plan_seeds, write_plan
 from elsi.study.summary import study_markdown, summarize_study
 
@@ -63,6 +65,26 @@ class Hooks:
 
 def draft_dir(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
     return Path(study_dir) / DRAFTS / f"{s.slug}-s{seed}"
+
+
+def baseline_paths(study_dir: str | Path) -> list[Path]:
+    """The study's baselines: bench/baseline.json (the first machine's) first, then the other machines'."""
+    d = Path(study_dir) / BENCH
+    return [p for p in [d / BASELINE, *sorted(d.glob(f"{Path(BASELINE).stem}-*.json"))] if p.is_file()]
+
+
+def baseline_path(study_dir: str | Path, machine: dict) -> Path:
+    """Where the baseline timed on ``machine`` is or goes: the one of the same ``timing_key``; else
+    bench/baseline.json when there is none yet, bench/baseline-<id>.json when the study began elsewhere."""
+    key = timing_key(machine)
+    for p in baseline_paths(study_dir):
+        rec = _readable(p)
+        if rec is not None and timing_key(rec.get("machine")) == key:
+            return p
+    first = Path(study_dir) / BENCH / BASELINE
+    if _readable(first) is None:
+        return first
+    return first.with_name(f"{first.stem}-{hashlib.sha256(key.encode()).hexdigest()[:8]}.json")
 
 
 def bench_path(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
@@ -218,12 +240,17 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
     say(1, n, f"target features for layers {plan['cache_layers']} in {fc.features_dir}")
     store = study_features(features_target or target, dataset, fc, plan["cache_layers"], hooks.features)
 
-    # Step 2: the baseline (plain decoding and transformers generate), once.
-    base_path = study_dir / BENCH / BASELINE
+    # Step 2: the baseline (plain decoding and transformers generate), once per machine.
+    here = machine_info()
+    base_path = baseline_path(study_dir, here)
     if _readable(base_path) is not None:
         say(2, n, f"baseline: plain decoding and transformers generate (done: {base_path})")
     else:
-        say(2, n, "baseline: plain decoding and transformers generate")
+        if base_path.name != BASELINE:
+            say(2, n, f"baseline: plain decoding and transformers generate, timed again on this machine "
+                      f"({machine_label(here)}) for the drafts benchmarked here ({base_path})")
+        else:
+            say(2, n, "baseline: plain decoding and transformers generate")
         res = run_bench(target, None, cfg.bench_config(fcfg.model, baseline=True), on_answer=hooks.bench)
         write_json(base_path, _bench_record(res, set=None, seed=None, draft=None))
 
@@ -277,7 +304,8 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
 
     # Step 5: the summary.
     say(n, n, f"summary: {STUDY_JSON}, {STUDY_MD}")
-    return write_summary(study_dir, plan, benches, read_json(base_path), cfg.bootstrap, command, vllm, trained)
+    return write_summary(study_dir, plan, benches, [read_json(p) for p in baseline_paths(study_dir)], cfg.bootstrap,
+                         command, vllm, trained)
 
 
 def vllm_path(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
@@ -302,10 +330,10 @@ def run_vllm_step(target: Target, draft: str, cfg: StudyConfig, model: str, hook
                           plain=False, progress=progress)
 
 
-def write_summary(study_dir: str | Path, plan: dict, benches: dict, baseline: dict, bootstrap: int,
+def write_summary(study_dir: str | Path, plan: dict, benches: dict, baseline: dict | list[dict], bootstrap: int,
                   command: str = "", vllm: dict | None = None, trained: dict | None = None) -> dict:
     """study.json and study.md from the plan, the benchmarks, vLLM's runs and the drafts' training.json
-    (each keyed (set name, seed))."""
+    (each keyed (set name, seed)) and the baseline, or each machine's (``summarize_study``)."""
     study = {"command": command, **summarize_study(plan, benches, baseline, bootstrap, vllm=vllm, trained=trained)}
     write_json(Path(study_dir) / STUDY_JSON, study)
     md = Path(study_dir) / STUDY_MD
@@ -324,6 +352,6 @@ def load_study(study_dir: str | Path) -> dict:
                                "the finished benchmarks)")
 
 
-__all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "bench_path", "check_precision",
-           "clear_study", "draft_dir", "draft_complete", "feature_config", "load_study", "prepare_study", "run_study",
-           "write_summary"]
+__all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "baseline_path", "baseline_paths",
+           "bench_path", "check_precision", "clear_study", "draft_dir", "draft_complete", "feature_config", "load_study",
+           "prepare_study", "run_study", "write_summary"]

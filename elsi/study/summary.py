@@ -10,7 +10,9 @@ Definitions (DESIGN.md, "Speculative decoding"):
   whichever sets it was measured on).
 - Δ% vs eagle3 (eagle2) = 100 (τ_set / τ_eagle3 - 1), on τ all.
 - Speed-up vs plain of an answer = its tokens/s over the tokens/s of the study's plain answer
-  to the same question at the same temperature (``bench/baseline.json``); mean over answers.
+  to the same question at the same temperature, timed on the same machine (``bench/baseline.json``,
+  one more per machine a study went on on; ``elsi.specbench.runner.timing_key``); mean over answers.
+  A draft benchmarked where no baseline was timed has none (its τ stands: τ does not depend on speed).
 - Spearman's ρ between set entropy and τ all, across sets (average ranks for ties).
 - Bootstrap: the Spec-Bench questions are resampled with replacement (``bootstrap`` times,
   fixed seed; the same resamples for every set, seed and condition); each resample gives every
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from elsi.specbench.runner import machine_label, timing_key
 from elsi.study.plan import plan_seeds
 
 REFERENCES = ("eagle3", "eagle2")  # the defaults a study compares against
@@ -271,37 +274,53 @@ def training_rows(sets: list[dict], trained: dict[tuple[str, int], dict]) -> lis
     return rows
 
 
-def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: dict, bootstrap: int = 1000,
-                    seed: int = 0, vllm: dict[tuple[str, int], dict] | None = None,
+def _by_question(baseline: dict, method: str) -> dict:
+    return {(a["question_id"], a["temperature"]): a for a in baseline["answers"] if a["method"] == method}
+
+
+def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: dict | list[dict],
+                    bootstrap: int = 1000, seed: int = 0, vllm: dict[tuple[str, int], dict] | None = None,
                     trained: dict[tuple[str, int], dict] | None = None) -> dict:
-    """study.json's dict from the plan, every draft's benchmark (keyed (set name, seed)) and the baseline's;
-    ``vllm``: the vLLM runs of ``--vllm-sets``, ``trained``: each draft's training.json (same keys)."""
+    """study.json's dict from the plan, every draft's benchmark (keyed (set name, seed)) and the baseline's, or
+    the baselines of every machine the study ran on (the first gives the questions; each draft's speed-ups are
+    against the one of its own machine, ``timing_key``); ``vllm``: the vLLM runs of ``--vllm-sets``, ``trained``:
+    each draft's training.json (same keys)."""
     bench = plan["settings"]["bench"]
     seeds = plan_seeds(plan)
     sets = [{**s, "seeds": seeds[s["name"]]} for s in plan["sets"]]
-    base = [a for a in baseline["answers"] if a["method"] == "plain"]
-    plain = {(a["question_id"], a["temperature"]): a for a in base}
-    hf = {(a["question_id"], a["temperature"]): a for a in baseline["answers"] if a["method"] == "hf_generate"}
+    baselines = [baseline] if isinstance(baseline, dict) else list(baseline)
+    timed: dict[str, tuple[dict, dict]] = {}  # timing key -> that machine's (plain, hf) answers by question
+    for b in baselines:
+        timed.setdefault(timing_key(b.get("machine")), (_by_question(b, "plain"), _by_question(b, "hf_generate")))
+    base = [a for a in baselines[0]["answers"] if a["method"] == "plain"]
     subtask_of = {a["question_id"]: a["subtask"] for a in base}
     qids = list(subtask_of)
     weights = resample_weights(len(qids), bootstrap, seed) if bootstrap and qids else None
     conditions = [(t, n) for t in bench["temperature"] for n in bench["tree_nodes"]] + [(None, None)]
     masks = {sub: np.array([subtask_of[q] == sub for q in qids]) for sub in dict.fromkeys(subtask_of.values())}
     out = []
+    drafts = [(s["name"], sd) for s in sets for sd in seeds[s["name"]]]
+    where = {k: timing_key(benches[k].get("machine")) for k in drafts}
     for t, n in conditions:
-        stats = {(s["name"], sd): draft_stats(benches[(s["name"], sd)]["answers"], qids, subtask_of, t, n, plain, hf)
-                 for s in sets for sd in seeds[s["name"]]}
+        stats = {k: draft_stats(benches[k]["answers"], qids, subtask_of, t, n, *timed.get(where[k], ({}, {})))
+                 for k in drafts}
         out.append(summarize_condition(sets, seeds, stats, weights, t, n, masks))
     speeds = []
-    for t in bench["temperature"]:
-        speeds.append({"temperature": t,
-                       "plain_tokens_per_s": _mean([_tps(a) for a in base if a["temperature"] == t]),
-                       "hf_tokens_per_s": _mean([_tps(a) for a in hf.values() if a["temperature"] == t])})
+    for key, (plain, hf) in timed.items():
+        machine = next(b.get("machine") for b in baselines if timing_key(b.get("machine")) == key)
+        for t in bench["temperature"]:
+            speeds.append({"temperature": t, "machine": machine_label(machine),
+                           "drafts": [f"{name} s{sd}" for name, sd in drafts if where[(name, sd)] == key],
+                           "plain_tokens_per_s": _mean([_tps(a) for a in plain.values() if a["temperature"] == t]),
+                           "hf_tokens_per_s": _mean([_tps(a) for a in hf.values() if a["temperature"] == t])})
+    untimed = [f"{name} s{sd} ({machine_label(benches[(name, sd)].get('machine'))})" for name, sd in drafts
+               if where[(name, sd)] not in timed]
     study = {
         "model": plan["model"], "run": plan["settings"]["run"], "num_layers": plan["num_layers"],
         "sets": sets, "seeds": plan["seeds"], "subtasks": list(dict.fromkeys(subtask_of.values())),
         "questions": len(qids), "bootstrap": {"resamples": bootstrap, "seed": seed, "unit": "Spec-Bench question"},
-        "settings": plan["settings"], "baseline": speeds, "conditions": out, "vllm": vllm_rows(vllm or {}),
+        "settings": plan["settings"], "baseline": speeds, "without_baseline": untimed, "conditions": out,
+        "vllm": vllm_rows(vllm or {}),
         "training": training_rows(sets, trained or {}),
     }
     study["verdict"] = verdict(study)
@@ -409,8 +428,9 @@ NOTE = ("τ = accepted tokens per target step (the drafted tokens accepted + the
         "steps of a subtask (Spec-Bench's rule); τ all pools every subtask. A set's τ is the mean over its seeds; "
         "\"τ seeds min–max\" is the seed-to-seed spread (\"1 seed\": not measured). Δ% = 100 (τ all / τ all of "
         "the default − 1). tok/s and the speed-up against plain decoding are means over answers; the plain answers "
-        "were timed once, in bench/baseline.json, so machine load between runs shows in them. H = the set's matrix "
-        "entropy as `elsi select` reports it.")
+        "were timed once per machine the study ran on (bench/baseline*.json), and each draft's speed-up is against "
+        "its own machine's, so machine load between runs shows in them. H = the set's matrix entropy as "
+        "`elsi select` reports it.")
 
 
 def _budget(train: dict) -> str:
@@ -462,11 +482,16 @@ def study_markdown(study: dict) -> str:
                   "greedy answer token for token as elsi's (lossless: elsi's equals plain greedy decoding).", ""]
     if study.get("command"):
         parts += [f"Made by `{study['command']}`.", ""]
+    several = len({x.get("machine") for x in study["baseline"]}) > 1
     parts += ["## Baseline speed", "",
-              md_table(["T", "plain tok/s", "HF generate tok/s"],
+              md_table(["T", "plain tok/s", "HF generate tok/s"] + (["machine", "drafts benchmarked there"] if several
+                                                                     else []),
                        [[f"{x['temperature']:g}", _f(x["plain_tokens_per_s"], 1), _f(x["hf_tokens_per_s"], 1)]
-                        for x in study["baseline"]]), "",
-              NOTE, ""]
+                        + ([x["machine"], ", ".join(x["drafts"])] if several else []) for x in study["baseline"]]), ""]
+    if study.get("without_baseline"):
+        parts += ["No plain decoding was timed where these drafts were benchmarked, so they have no speed-up (their "
+                  "τ stands): " + "; ".join(study["without_baseline"]) + ".", ""]
+    parts += [NOTE, ""]
     return "\n".join(parts)
 
 
