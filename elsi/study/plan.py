@@ -347,6 +347,5 @@ def write_plan(study_dir: str | Path, plan: dict, restart: bool = False) -> Path
 
 
 __all__ = ["DEFAULT_SETS", "PLAN", "LayerSet", "StudyConfig", "layer_sets", "make_plan", "parse_set",
-           "plan_differences", "plan_seeds", "resolve_sets", "set_seeds", "set_slug", "settings_differences",
-           "require_same_settings",
-           "write_plan"]
+           "plan_differences", "plan_seeds", "require_same_settings", "resolve_sets", "set_seeds", "set_slug",
+           "settings_differences", "write_plan"]

@@ -246,11 +246,9 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
     if _readable(base_path) is not None:
         say(2, n, f"baseline: plain decoding and transformers generate (done: {base_path})")
     else:
-        if base_path.name != BASELINE:
-            say(2, n, f"baseline: plain decoding and transformers generate, timed again on this machine "
-                      f"({machine_label(here)}) for the drafts benchmarked here ({base_path})")
-        else:
-            say(2, n, "baseline: plain decoding and transformers generate")
+        again = "" if base_path.name == BASELINE else (f", timed again on this machine ({machine_label(here)}) for "
+                                                        f"the drafts benchmarked here ({base_path})")
+        say(2, n, "baseline: plain decoding and transformers generate" + again)
         res = run_bench(target, None, cfg.bench_config(fcfg.model, baseline=True), on_answer=hooks.bench)
         write_json(base_path, _bench_record(res, set=None, seed=None, draft=None))
 
