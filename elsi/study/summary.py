@@ -289,9 +289,10 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
     seeds = plan_seeds(plan)
     sets = [{**s, "seeds": seeds[s["name"]]} for s in plan["sets"]]
     baselines = [baseline] if isinstance(baseline, dict) else list(baseline)
-    timed: dict[str, tuple[dict, dict]] = {}  # timing key -> that machine's (plain, hf) answers by question
+    timed: dict[str, tuple[dict, dict, dict]] = {}  # timing key -> that machine, its (plain, hf) answers by question
     for b in baselines:
-        timed.setdefault(timing_key(b.get("machine")), (_by_question(b, "plain"), _by_question(b, "hf_generate")))
+        timed.setdefault(timing_key(b.get("machine")),
+                         (b.get("machine"), _by_question(b, "plain"), _by_question(b, "hf_generate")))
     base = [a for a in baselines[0]["answers"] if a["method"] == "plain"]
     subtask_of = {a["question_id"]: a["subtask"] for a in base}
     qids = list(subtask_of)
@@ -302,12 +303,11 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
     drafts = [(s["name"], sd) for s in sets for sd in seeds[s["name"]]]
     where = {k: timing_key(benches[k].get("machine")) for k in drafts}
     for t, n in conditions:
-        stats = {k: draft_stats(benches[k]["answers"], qids, subtask_of, t, n, *timed.get(where[k], ({}, {})))
+        stats = {k: draft_stats(benches[k]["answers"], qids, subtask_of, t, n, *timed.get(where[k], (None, {}, {}))[1:])
                  for k in drafts}
         out.append(summarize_condition(sets, seeds, stats, weights, t, n, masks))
     speeds = []
-    for key, (plain, hf) in timed.items():
-        machine = next(b.get("machine") for b in baselines if timing_key(b.get("machine")) == key)
+    for key, (machine, plain, hf) in timed.items():
         for t in bench["temperature"]:
             speeds.append({"temperature": t, "machine": machine_label(machine),
                            "drafts": [f"{name} s{sd}" for name, sd in drafts if where[(name, sd)] == key],
