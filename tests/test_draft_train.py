@@ -273,6 +273,49 @@ def test_regenerate_writes_the_targets_own_answers(target, tmp_path):
         assert got == want
 
 
+def test_regenerate_skips_a_prompt_that_leaves_no_room_for_an_answer(target, tmp_path):
+    from conftest import WORDS
+
+    words = [" ".join(WORDS[i: i + 6]) for i in range(4)]
+    words[1] = " ".join(WORDS * 3)  # its rendered prompt alone is longer than --max-tokens
+    recs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": w}, {"from": "gpt", "value": "not the target"}]}
+            for i, w in enumerate(words)]
+    path = tmp_path / "conv.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    cfg = FeatureConfig(model="tiny", data=str(path), samples=4, max_tokens=64, regenerate=True, regen_max_new=8,
+                        regen_batch=2, features_dir=str(tmp_path / "f"))
+    store = build_features(target, load_dataset(str(path)), cfg, (2,))
+    assert sorted(s["id"] for s in store.samples) == ["c0", "c2", "c3"]
+    assert store.manifest["skipped"] == {"prompt_too_long": 1}
+    assert all(store.sample(i, [0])["reply"].any() for i in range(len(store.samples)))  # each has a reply to score
+
+
+def test_regeneration_batches_prompts_of_similar_length_and_keeps_their_order(target, monkeypatch):
+    from conftest import WORDS
+
+    from elsi.data import Sample
+    from elsi.draft import features
+
+    samples = [Sample(f"c{k}", (("user", " ".join(WORDS[k: k + n])), ("assistant", "not the target")))
+               for k, n in enumerate((9, 2, 7, 3))]
+    batches, answered = [], []
+    alone = {s.id: features.regenerate_batch(target, [s], max_tokens=64, max_new=5, turns=1)[0] for s in samples}
+    real = features.regenerate_batch
+
+    def spy(target, part, *args):
+        batches.append([s.id for s in part])
+        return real(target, part, *args)
+
+    monkeypatch.setattr(features, "regenerate_batch", spy)
+    out = features.regenerate_sorted(target, samples, 2, 64, 5, 1, on_batch=answered.append)
+    assert batches == [["c1", "c3"], ["c2", "c0"]]  # shortest prompts first, two per batch
+    assert answered == [2, 4]
+    assert [s.id for s in out] == ["c0", "c1", "c2", "c3"]
+    # each answer is the one the target gives that prompt alone (left padding changes nothing)
+    assert [s.messages for s in out] == [alone[s.id].messages for s in samples]
+    assert all(s.messages[1][1] != "not the target" for s in out)
+
+
 def test_regen_turns_keeps_the_first_turns_and_the_reply_mask_follows(target, tmp_path):
     from conftest import WORDS
 

@@ -57,6 +57,7 @@ from elsi.stats.analysis import parse_layers as analysis_layers
 
 MANIFEST = "features.json"
 FORMAT = 2
+REGEN_SHARD_BATCHES = 4  # regeneration batches per feature shard (see _build_features)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class Progress:
     samples_total: int
     tokens: int
     elapsed_s: float
-    stage: str  # "regenerate" | "forward" | "compiling the forward" (before the first compiled one)
+    stage: str  # "regenerate N/M" (prompts of the shard answered) | "forward" | "compiling the forward" (the first)
 
 
 ARRAYS = ("ids", "argmax", "final", "states", "mask")
@@ -242,6 +243,38 @@ def features_dir_for(cfg: FeatureConfig, target: Target) -> Path:
 
 
 @torch.no_grad()
+def _prompt_ids(sample: Sample, tok) -> list[int]:
+    """Token ids of ``sample``'s conversation so far, rendered to be answered next (the generation prompt)."""
+    text = render(sample, tok, add_generation_prompt=True)
+    return tok(text, add_special_tokens=not getattr(tok, "chat_template", None))["input_ids"]
+
+
+def first_prompt_tokens(sample: Sample, tok) -> int:
+    """Length of the prompt that ``regenerate_batch`` answers first (system turns and the first user turn)."""
+    if sample.text is not None:
+        return 0
+    head = [m for m in sample.messages if m[0] == "system"]
+    first = next((m for m in sample.messages if m[0] == "user"), None)
+    return len(_prompt_ids(Sample(sample.id, tuple(head + [first] if first else head)), tok))
+
+
+def regenerate_sorted(target: Target, samples: Sequence[Sample], batch: int, max_tokens: int, max_new: int,
+                      turns: int = 0, on_batch: Callable[[int], None] | None = None) -> list[Sample]:
+    """``regenerate_batch`` over ``samples`` in batches of ``batch`` prompts of similar length (shortest
+    first), returned in the given order. A batch is left-padded to its longest prompt and every decoding
+    step attends over that width, so one long prompt among short ones would make the whole batch pay for
+    it (bench/regen_speed.py measures the difference). ``on_batch(n)``: after each batch, n prompts answered."""
+    order = sorted(range(len(samples)), key=lambda k: first_prompt_tokens(samples[k], target.tokenizer))
+    out: list[Sample | None] = [None] * len(samples)
+    for a in range(0, len(order), batch):
+        ks = order[a: a + batch]
+        for k, s in zip(ks, regenerate_batch(target, [samples[k] for k in ks], max_tokens, max_new, turns)):
+            out[k] = s
+        if on_batch:
+            on_batch(a + len(ks))
+    return out
+
+
 def regenerate_batch(target: Target, samples: Sequence[Sample], max_tokens: int, max_new: int,
                      turns: int = 0) -> list[Sample]:
     """The samples with every assistant turn rewritten by the target (greedy), turn by turn.
@@ -261,8 +294,7 @@ def regenerate_batch(target: Target, samples: Sequence[Sample], max_tokens: int,
             if not alive[k] or turn >= len(users[k]):
                 continue
             convs[k].append(("user", users[k][turn]))
-            text = render(Sample(s.id, tuple(convs[k])), tok, add_generation_prompt=True)
-            ids = tok(text, add_special_tokens=not getattr(tok, "chat_template", None))["input_ids"]
+            ids = _prompt_ids(Sample(s.id, tuple(convs[k])), tok)
             if len(ids) >= max_tokens - 1:
                 alive[k] = False
                 continue
@@ -415,6 +447,9 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
     cached_layers = man["layers"]
     done = len(man["samples"])
     forward = compiled(target.adapter.decoder(target.model), cfg.compile, target.device, "--compile")
+    # Regeneration sorts each shard's prompts by length into its batches: a shard of several batches lets
+    # prompts of similar length meet (a crash loses at most one shard's answers).
+    per_shard = max(shard_samples, REGEN_SHARD_BATCHES * cfg.regen_batch) if cfg.regenerate else shard_samples
     t0 = t_begin = time.perf_counter()
     tokens = 0
     stream = iter_tokenized(dataset, target.tokenizer, cfg.max_tokens, cfg.seed)
@@ -436,7 +471,7 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
     source = raw_samples()
     while done < cfg.samples and not exhausted:
         # Step 1: gather one shard's samples (regenerated if asked).
-        need = min(shard_samples, cfg.samples - done)
+        need = min(per_shard, cfg.samples - done)
         chunk: list[tuple[int, Sample, list[int]]] = []
         for item in source:
             chunk.append(item)
@@ -447,13 +482,25 @@ def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers
         if not chunk:
             break
         if cfg.regenerate:
-            regen: list[Sample] = []
-            for a in range(0, len(chunk), cfg.regen_batch):
-                part = [s for _, s, _ in chunk[a: a + cfg.regen_batch]]
-                regen.extend(regenerate_batch(target, part, cfg.max_tokens, cfg.regen_max_new, cfg.regen_turns))
+            def answered(n: int, of: int = len(chunk)) -> None:
                 if on_progress:
-                    on_progress(Progress(done, cfg.samples, tokens, time.perf_counter() - t_begin, "regenerate"))
-            chunk = [(i, s, tokenize(s, target.tokenizer, cfg.max_tokens)) for (i, _, _), s in zip(chunk, regen)]
+                    on_progress(Progress(done, cfg.samples, tokens, time.perf_counter() - t_begin,
+                                         f"regenerate {n}/{of}"))
+
+            answered(0)
+            regen = regenerate_sorted(target, [s for _, s, _ in chunk], cfg.regen_batch, cfg.max_tokens,
+                                      cfg.regen_max_new, cfg.regen_turns, answered)
+            kept = []
+            for (i, _, _), s in zip(chunk, regen):
+                if s.text is None and not any(role == "assistant" for role, _ in s.messages):
+                    # Its first prompt left no room for an answer: nothing to score, a whole forward to pay.
+                    man["skipped"]["prompt_too_long"] = man["skipped"].get("prompt_too_long", 0) + 1
+                    continue
+                kept.append((i, s, tokenize(s, target.tokenizer, cfg.max_tokens)))
+            chunk = kept
+            if not chunk:
+                man["next_order"] = order_pos
+                continue
         # Step 2: one target forward per sample (or batch) -> features of the shard.
         parts: dict[str, list[np.ndarray]] = {"ids": [], "argmax": [], "final": [], "states": [], "mask": []}
         entries = []
