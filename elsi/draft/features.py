@@ -242,7 +242,6 @@ def features_dir_for(cfg: FeatureConfig, target: Target) -> Path:
     return cache_dir() / "draft_features" / cfg.key(target.source, target.dtype_name)
 
 
-@torch.no_grad()
 def _prompt_ids(sample: Sample, tok) -> list[int]:
     """Token ids of ``sample``'s conversation so far, rendered to be answered next (the generation prompt)."""
     text = render(sample, tok, add_generation_prompt=True)
@@ -275,6 +274,7 @@ def regenerate_sorted(target: Target, samples: Sequence[Sample], batch: int, max
     return out
 
 
+@torch.no_grad()
 def regenerate_batch(target: Target, samples: Sequence[Sample], max_tokens: int, max_new: int,
                      turns: int = 0) -> list[Sample]:
     """The samples with every assistant turn rewritten by the target (greedy), turn by turn.
