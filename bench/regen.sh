@@ -12,6 +12,7 @@
 # Writes RESULTS/<name>.json (bench/train_draft.py's record) and RESULTS.json (the table). Alone on the machine.
 #   bash bench/regen.sh [EPOCHS]      (default 3; no time budget)
 #   SAMPLES_TARGET=256 SAMPLES_OWN=116 QUESTIONS=5 RESULTS=bench/results/regen ONLY="target own" bash bench/regen.sh
+#   SEED=1 RESULTS=bench/results/regen-s1 bash bench/regen.sh   (another split and initialisation, the same caches)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EPOCHS=${1:-3}
@@ -33,7 +34,7 @@ for name in "${ORDER[@]}"; do
   mkdir -p "$RESULTS"
   .venv/bin/python bench/train_draft.py --samples "${SAMPLES[$name]}" --max-tokens 1024 --time-budget 0 \
     --threads 2 --questions "$QUESTIONS" --label "regen-$name" --out "runs/regen-$name" --result "$out" \
-    --extra "${DATA[$name]} --ttt 1 --epochs $EPOCHS --restart --eval-every 1m"
+    --extra "${DATA[$name]} --ttt 1 --epochs $EPOCHS --restart --eval-every 1m ${SEED:+--seed $SEED}"
 done
 .venv/bin/python - "$RESULTS" "${ORDER[@]}" <<'PY'
 import json, sys
