@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Target-written answers against ShareGPT's own turns (issue 15, deliverable 2), as the draft's training data.
 # Two drafts on the same layers and seed, trained for the same number of epochs over about as many tokens
-# (equal feature-pass and training cost; regeneration not counted), each then scored by `elsi eval-draft` on Spec-Bench (teacher-forced on the target's own greedy
-# answers: the match that sets τ at temperature 0):
+# (equal feature-pass and training cost; regeneration not counted), each then scored by `elsi eval-draft` on
+# Spec-Bench (teacher-forced on the target's own greedy answers: the match that sets τ at temperature 0):
 #   target: SAMPLES_TARGET ShareGPT first prompts, each answered by the target (greedy, in the feature pass's
 #           precision: --dtype auto; at most 256 new tokens: --regenerate --regen-turns 1);
 #   own:    SAMPLES_OWN ShareGPT conversations with their own assistant turns (today's default data); pick
