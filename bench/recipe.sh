@@ -37,23 +37,4 @@ for name in "${ORDER[@]}"; do
     --no-eval --label "recipe-$name" --out "runs/recipe-$name" --result "$out" \
     --extra "--features-dir $FEAT --ttt 1 --restart --eval-every 1m ${STEPS:+--max-steps $STEPS} ${PROBES[$name]}"
 done
-.venv/bin/python - "$RESULTS" "${ORDER[@]}" <<'PY'
-import json, sys
-rows = []
-results = sys.argv[1]
-for name in sys.argv[2:]:
-    r = json.load(open(f"{results}/{name}.json"))
-    rows.append({"recipe": name, "command": r["command"], "heldout_depth1_match": r["heldout_depth1_match"],
-                 "train_tokens_per_s": r["train_tokens_per_s"], "steps": r["steps"],
-                 "epochs": r["epochs"], "train_match_last": (r["train_curve_last"] or {}).get("acc"),
-                 "probe_curve": [(c["elapsed_s"], c["match"][0]) for c in r["heldout_probe_curve"]],
-                 "load_before": r["machine"]["loadavg_1_5_15_before_train"],
-                 "cpu": r["machine"].get("cpu"), "cpu_bf16": r["machine"].get("cpu_bf16")})
-json.dump({"command": "bash bench/recipe.sh", "budget": "see each command", "probes": rows},
-          open(f"{results}.json", "w"), indent=1)
-print("| recipe | held-out depth-1 | train match (last) | tokens/s | steps | epochs |")
-print("|---|---|---|---|---|---|")
-for r in rows:
-    print(f"| {r['recipe']} | {r['heldout_depth1_match']:.4f} | {r['train_match_last']:.3f} | "
-          f"{r['train_tokens_per_s']:.0f} | {r['steps']} | {r['epochs']:.2f} |")
-PY
+.venv/bin/python bench/probe_table.py recipe "$RESULTS" "${ORDER[@]}"
