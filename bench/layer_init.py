@@ -1,7 +1,8 @@
 """--layer-init target against random, paired per seed (issue 15, deliverable 2): for each seed, two drafts
 on the same feature cache, the same held-out split and the same sample order (both drawn from the seed),
 the same step budget, one starting its midlayer from the target's last decoder layer. Writes the held-out
-depth-1 match of each and their differences (seed-to-seed spread of the difference = its noise).
+depth-1 match of each and their differences (seed-to-seed spread of the difference = its noise), and with
+--eval-every the held-out probe by step. Writes --out after each draft; run again, it keeps the drafts it has.
 
     .venv/bin/python bench/layer_init.py --features-dir runs/features-sg400-fp32 --samples 400 --steps 500 \\
         --seeds 1 2 --out bench/results/layer_init_avx2.json
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-every", default="0", help="held-out probe (16 conversations) every so long, e.g. 3m")
     ap.add_argument("--runs", default="runs/layer-init", help="the drafts' directories")
     ap.add_argument("--out", default="bench/results/layer_init.json")
     args = ap.parse_args()
@@ -45,17 +47,27 @@ def main() -> None:
     device = torch.device("cpu")
     res = {"command": ".venv/bin/python bench/layer_init.py " + " ".join(sys.argv[1:]), "machine": machine_info(),
            "versions": package_versions(), "features_dir": args.features_dir, "samples": args.samples, "runs": []}
+    out = Path(args.out)
+    if out.is_file():  # resume: keep the drafts an interrupted run of the same command finished
+        old = json.loads(out.read_text())
+        if (old.get("command"), old.get("features_dir")) == (res["command"], res["features_dir"]):
+            res["runs"] = old["runs"]
     for seed in args.seeds:
         for init in ("random", "target"):
+            if any((r["seed"], r["layer_init"]) == (seed, init) for r in res["runs"]):
+                print(f"seed {seed} {init}: have it in {out}", file=sys.stderr)
+                continue
             cfg = TrainConfig(layers=args.layers, out=f"{args.runs}/{init}-s{seed}", lr=args.lr, ttt=1,
-                              max_steps=args.steps, time_budget="0", eval_every="0", layer_init=init, restart=True)
+                              max_steps=args.steps, time_budget="0", eval_every=args.eval_every, layer_init=init, restart=True)
             load = os.getloadavg()
             rec = train_draft(target, store, cfg, seed, device, samples=args.samples)
             res["runs"].append({"seed": seed, "layer_init": init, "heldout_depth1_match": rec["heldout"]["match"][0],
                                 "heldout_tokens": rec["data"]["heldout_tokens"], "steps": rec["steps"],
                                 "train_tokens_per_s": rec["train_tokens_per_s"], "train_match_last":
                                 rec["curve"][-1]["acc"] if rec["curve"] else None, "load_before": load,
+                                "probe_curve": [(c["step"], c["match"][0]) for c in rec["heldout_curve"]],
                                 "settings": asdict(cfg)})
+            out.write_text(json.dumps(res, indent=1) + "\n")  # each finished draft at once
             print(f"seed {seed} {init}: held-out depth-1 {rec['heldout']['match'][0]:.4f}", file=sys.stderr)
     by = {(r["seed"], r["layer_init"]): r["heldout_depth1_match"] for r in res["runs"]}
     diffs = [by[(s, "target")] - by[(s, "random")] for s in args.seeds]
@@ -63,7 +75,7 @@ def main() -> None:
                                   "mean": statistics.mean(diffs),
                                   "stdev": statistics.stdev(diffs) if len(diffs) > 1 else None}
     res["machine"]["load_average_end"] = os.getloadavg()
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    out.write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res["target_minus_random"]))
 
 

@@ -31,6 +31,14 @@ def answer_tokens(target, samples) -> int:
                if r == "assistant")
 
 
+def generated_widths(lengths: list[int], batch: int, max_tokens: int) -> list[int]:
+    """The width each batch of ``batch`` prompts (of these token lengths, in this order) generates at: its longest
+    prompt that regeneration answers. A prompt of ``max_tokens - 1`` tokens or more leaves no room for an answer:
+    it is skipped and pads nothing (0 for a batch of such prompts only)."""
+    fits = [n if n < max_tokens - 1 else 0 for n in lengths]
+    return [max(fits[k: k + batch]) for k in range(0, len(fits), batch)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -65,12 +73,14 @@ def main() -> int:
         runs[name] = {"seconds": dt, "answer_tokens": n, "tokens_per_s": n / dt, "answers": out}
         print(f"{name}: {dt:.1f} s, {n} answer tokens, {n / dt:.1f} tok/s", flush=True)
     same = sum(a.messages == b.messages for a, b in zip(runs["stream_order"]["answers"], runs["sorted"]["answers"]))
-    widths = {"stream_order": [max(lengths[k: k + args.batch]) for k in range(0, len(lengths), args.batch)],
-              "sorted": [max(sorted(lengths)[k: k + args.batch]) for k in range(0, len(lengths), args.batch)]}
+    widths = {"stream_order": generated_widths(lengths, args.batch, args.max_tokens),
+              "sorted": generated_widths(sorted(lengths), args.batch, args.max_tokens)}
+    too_long = sum(n >= args.max_tokens - 1 for n in lengths)
     rec = {"command": "python bench/regen_speed.py " + " ".join(
                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out") + f" --out {args.out}",
            "model": args.model, "dtype": "float32", "prompts": len(samples), "batch": args.batch,
-           "max_new_tokens": args.max_new, "prompt_tokens": {"mean": sum(lengths) / len(lengths), "max": max(lengths)},
+           "max_new_tokens": args.max_new, "prompt_tokens": {"mean": sum(lengths) / len(lengths), "max": max(lengths),
+                             "skipped_too_long": too_long},
            "batch_widths": widths,
            "runs": {k: {kk: vv for kk, vv in v.items() if kk != "answers"} for k, v in runs.items()},
            "speedup": runs["sorted"]["tokens_per_s"] / runs["stream_order"]["tokens_per_s"],
