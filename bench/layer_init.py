@@ -58,7 +58,8 @@ def main() -> None:
                 print(f"seed {seed} {init}: have it in {out}", file=sys.stderr)
                 continue
             cfg = TrainConfig(layers=args.layers, out=f"{args.runs}/{init}-s{seed}", lr=args.lr, ttt=1,
-                              max_steps=args.steps, time_budget="0", eval_every=args.eval_every, layer_init=init, restart=True)
+                              max_steps=args.steps, time_budget="0", eval_every=args.eval_every, layer_init=init,
+                              restart=True)
             load = os.getloadavg()
             rec = train_draft(target, store, cfg, seed, device, samples=args.samples)
             res["runs"].append({"seed": seed, "layer_init": init, "heldout_depth1_match": rec["heldout"]["match"][0],

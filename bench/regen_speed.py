@@ -20,7 +20,7 @@ import torch
 
 from elsi.collect.store import write_json
 from elsi.data.conversations import iter_tokenized, load_dataset
-from elsi.draft.features import first_prompt_tokens, regenerate_batch, regenerate_sorted
+from elsi.draft.features import first_prompt_tokens, leaves_room, regenerate_batch, regenerate_sorted
 from elsi.models import load_target
 from elsi.specbench.runner import machine_info
 
@@ -33,9 +33,9 @@ def answer_tokens(target, samples) -> int:
 
 def generated_widths(lengths: list[int], batch: int, max_tokens: int) -> list[int]:
     """The width each batch of ``batch`` prompts (of these token lengths, in this order) generates at: its longest
-    prompt that regeneration answers. A prompt of ``max_tokens - 1`` tokens or more leaves no room for an answer:
-    it is skipped and pads nothing (0 for a batch of such prompts only)."""
-    fits = [n if n < max_tokens - 1 else 0 for n in lengths]
+    prompt that regeneration answers. A prompt that leaves no room for an answer (``leaves_room``) is skipped and
+    pads nothing (0 for a batch of such prompts only)."""
+    fits = [n if leaves_room(n, max_tokens) else 0 for n in lengths]
     return [max(fits[k: k + batch]) for k in range(0, len(fits), batch)]
 
 
@@ -75,7 +75,7 @@ def main() -> int:
     same = sum(a.messages == b.messages for a, b in zip(runs["stream_order"]["answers"], runs["sorted"]["answers"]))
     widths = {"stream_order": generated_widths(lengths, args.batch, args.max_tokens),
               "sorted": generated_widths(sorted(lengths), args.batch, args.max_tokens)}
-    too_long = sum(n >= args.max_tokens - 1 for n in lengths)
+    too_long = sum(not leaves_room(n, args.max_tokens) for n in lengths)
     rec = {"command": "python bench/regen_speed.py " + " ".join(
                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out") + f" --out {args.out}",
            "model": args.model, "dtype": "float32", "prompts": len(samples), "batch": args.batch,

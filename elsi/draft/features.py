@@ -257,6 +257,12 @@ def first_prompt_tokens(sample: Sample, tok) -> int:
     return len(_prompt_ids(Sample(sample.id, tuple(head + [first] if first else head)), tok))
 
 
+def leaves_room(prompt_tokens: int, max_tokens: int) -> bool:
+    """Whether a prompt of ``prompt_tokens`` tokens leaves room for at least one answer token in a conversation of
+    ``max_tokens``; ``regenerate_batch`` answers only such prompts (the others end their conversation)."""
+    return prompt_tokens < max_tokens - 1
+
+
 def regenerate_sorted(target: Target, samples: Sequence[Sample], batch: int, max_tokens: int, max_new: int,
                       turns: int = 0, on_batch: Callable[[int], None] | None = None) -> list[Sample]:
     """``regenerate_batch`` over ``samples`` in batches of ``batch`` prompts of similar length (shortest
@@ -295,7 +301,7 @@ def regenerate_batch(target: Target, samples: Sequence[Sample], max_tokens: int,
                 continue
             convs[k].append(("user", users[k][turn]))
             ids = _prompt_ids(Sample(s.id, tuple(convs[k])), tok)
-            if len(ids) >= max_tokens - 1:
+            if not leaves_room(len(ids), max_tokens):
                 alive[k] = False
                 continue
             rows.append(k)
