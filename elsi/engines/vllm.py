@@ -47,7 +47,8 @@ def vllm_python() -> Path:
 
 
 EAGLE3_PROBE = """
-import sys
+import runpy, sys
+runpy.run_path(sys.argv[2])["register_models"]()  # elsi's target classes (vllm_models), as the worker serves them
 from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.model_executor.models.registry import ModelRegistry
 cls = ModelRegistry._try_load_model_cls(sys.argv[1])
@@ -56,11 +57,12 @@ print("unknown" if cls is None else supports_eagle3(cls))
 
 
 def vllm_eagle3_support(architecture: str, python: Path | None = None) -> str:
-    """Whether vLLM's environment serves EAGLE-3 drafts for a target of ``architecture`` (e.g.
-    "LlamaForCausalLM"): "True", "False" (the model class lacks vLLM's SupportsEagle3 interface: no
-    auxiliary hidden states) or "unknown" (vLLM has no such architecture)."""
-    out = subprocess.run([str(python or vllm_python()), "-P", "-c", EAGLE3_PROBE, architecture], capture_output=True,
-                         text=True, timeout=600)
+    """Whether vLLM's environment, with the classes elsi adds (``vllm_models``: Gemma-3), serves EAGLE-3
+    drafts for a target of ``architecture`` (e.g. "LlamaForCausalLM"): "True", "False" (the model class
+    lacks vLLM's SupportsEagle3 interface: no auxiliary hidden states) or "unknown" (vLLM has no such
+    architecture)."""
+    out = subprocess.run([str(python or vllm_python()), "-P", "-c", EAGLE3_PROBE, architecture, str(WORKER)],
+                         capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"probing vLLM's EAGLE-3 support failed: {out.stderr[-2000:]}")
     return out.stdout.strip().splitlines()[-1]
@@ -127,6 +129,10 @@ class VllmWorker:
     def capture(self, ids: list[int]) -> dict:
         """The auxiliary hidden states vLLM hands the draft for the prefill of ``ids``."""
         return self.request(op="capture", prompt_token_ids=list(ids))
+
+    def draft_embed(self, ids: list[int]) -> dict:
+        """The token embeddings vLLM's draft reads for ``ids``: {"states": (T, d) nested lists}."""
+        return self.request(op="draft_embed", prompt_token_ids=list(ids))
 
     def draft_params(self) -> dict:
         """{name: [shape, sum, sum of squares]} of the draft's parameters as vLLM loaded them."""

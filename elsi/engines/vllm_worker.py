@@ -1,6 +1,7 @@
 """Runs inside vLLM's own virtual environment (``make vllm``), started by ``elsi.engines.vllm``.
 
-It imports nothing from elsi (vLLM pins its own torch/transformers): one process holds one
+It imports nothing from elsi (vLLM pins its own torch/transformers) but ``vllm_models`` beside it
+(the target classes elsi adds to vLLM: EAGLE-3 for Gemma-3), by path: one process holds one
 ``vllm.LLM`` (plain, or EAGLE3 with ``num_speculative_tokens`` k) and answers requests, one JSON
 object per line on stdin, with one JSON line each on the protocol stream (the original stdout;
 everything vLLM prints goes to stderr).
@@ -12,6 +13,8 @@ Requests:
 - ``{"op": "capture", "prompt_token_ids": [...]}`` -> ``{"layer_ids", "states"}``: the target's
   auxiliary hidden states vLLM hands the draft during the prefill of that prompt, (T, d) per id
   as nested lists, and the ids vLLM's target model was told to capture.
+- ``{"op": "draft_embed", "prompt_token_ids": [...]}`` -> ``{"states"}``: the token embeddings the draft
+  reads for those ids, (T, d) as nested lists (the target's module, shared, for an elsi draft).
 - ``{"op": "draft_params"}`` -> ``{name: [shape, sum, sum of squares]}`` of the draft vLLM loaded
   (tensors the CPU backend repacked report shape [0] and are left out).
 - ``{"op": "quit"}``.
@@ -19,10 +22,21 @@ Requests:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 import time
+from pathlib import Path
+
+
+def register_models() -> None:
+    """``vllm_models.register()``: elsi's target classes, in this process's vLLM registry."""
+    spec = importlib.util.spec_from_file_location("elsi_vllm_models", Path(__file__).with_name("vllm_models.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    module.register()
 
 
 def _counters(llm) -> dict:
@@ -76,6 +90,17 @@ def _capture(llm, ids: list[int]) -> dict:
     return {"layer_ids": layer_ids, "states": states}
 
 
+def _draft_embed(llm, ids: list[int]) -> dict:
+    import torch
+
+    def embed(worker) -> list:
+        model = getattr(worker, "worker", worker).model_runner.drafter.model
+        with torch.no_grad():
+            return model.embed_input_ids(torch.tensor(ids)).float().cpu().tolist()
+
+    return {"states": llm.collective_rpc(embed)[0]}
+
+
 def _draft_params(llm) -> dict:
     def stats(worker) -> dict:
         model = getattr(worker, "worker", worker).model_runner.drafter.model
@@ -92,6 +117,7 @@ def main() -> int:
     sys.stdout = sys.stderr
     from vllm import LLM, SamplingParams
 
+    register_models()  # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): it sees them
     kwargs = dict(model=job["model"], tokenizer=job["model"], dtype=job.get("dtype", "float32"),
                   enforce_eager=True, max_model_len=int(job.get("max_model_len", 4096)), seed=0,
                   disable_log_stats=False, max_num_seqs=1, enable_prefix_caching=False)
@@ -107,6 +133,9 @@ def main() -> int:
             break
         if req["op"] == "draft_params":
             proto.write(json.dumps(_draft_params(llm)) + "\n")
+            continue
+        if req["op"] == "draft_embed":
+            proto.write(json.dumps(_draft_embed(llm, req["prompt_token_ids"])) + "\n")
             continue
         if req["op"] == "capture":
             proto.write(json.dumps(_capture(llm, req["prompt_token_ids"])) + "\n")
