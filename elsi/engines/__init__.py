@@ -5,7 +5,8 @@
   checks of a layer set, config fragments (``elsi export --layers``), drafts written by other tools;
 - ``speculators``: the speculators (vLLM) checkpoint format (``elsi export --format speculators``);
 - ``vllm``: Spec-Bench through vLLM's offline API in its own virtual environment (``elsi bench
-  --engine vllm``; ``vllm_worker`` is the script that runs there).
+  --engine vllm``; ``vllm_worker`` is the script that runs there, and ``vllm_models`` the target classes
+  it adds to vLLM: EAGLE-3 for Gemma-3).
 """
 
 from elsi.engines.configs import (
