@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 
 import pytest
@@ -226,6 +227,13 @@ def test_bench_engine_vllm_without_its_environment_fails_before_any_model_loads(
     assert main(["bench", "--engine", "vllm", "--model", str(tmp_path), "--questions-per-subtask", "1"]) == 2
     err = capsys.readouterr().err
     assert "no vLLM environment" in err and "make vllm" in err
+
+
+def test_bench_engine_vllm_no_plain_without_a_draft_fails_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ELSI_VLLM_PYTHON", sys.executable)  # an environment that exists: the check is ours
+    monkeypatch.setattr("elsi.cli.decode.load_target", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["bench", "--engine", "vllm", "--no-plain", "--model", str(tmp_path)]) == 2
+    assert "--no-plain times nothing without a --draft" in capsys.readouterr().err
 
 
 def test_bench_engine_vllm_refuses_a_draft_directory_vllm_would_misload(tmp_path, tiny_target, monkeypatch, capsys):

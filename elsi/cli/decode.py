@@ -85,6 +85,8 @@ def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime, draft_c
     python = vllm_python()
     if cfg.draft in ("random", "target"):
         raise ValueError(f"--engine vllm serves a draft directory, not --draft {cfg.draft}")
+    if not cfg.plain and not cfg.draft:
+        raise ValueError("elsi bench --engine vllm --no-plain times nothing without a --draft")
     if draft_cfg is not None:
         check_for_engine(draft_cfg.layer_ids, draft_cfg.target_num_layers, "vllm")
         extra = sorted(p.name for p in Path(cfg.draft).glob("*.safetensors") if p.name != "model.safetensors")
@@ -101,7 +103,8 @@ def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime, draft_c
         print(f"\r{what}: [{done}/{total}]", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
     progress = progress_path(cfg.out) if cfg.out else None  # finished configurations survive an interruption
-    res = run_vllm_bench(target, cfg.draft or None, cfg, vcfg, threads=rt.threads, on_answer=show, progress=progress)
+    res = run_vllm_bench(target, cfg.draft or None, cfg, vcfg, threads=rt.threads, on_answer=show, progress=progress,
+                         plain=cfg.plain)  # --no-plain: the speculative runs only (τ and its agreement)
     from elsi.collect.collector import package_versions
 
     res = {"command": "elsi bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "elsi bench",
