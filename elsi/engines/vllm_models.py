@@ -31,9 +31,6 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3Model
 from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
 
-ARCHITECTURES = ("Gemma3ForCausalLM",)  # what register() adds EAGLE-3 to
-
-
 class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
     """vLLM's embedding, times ``normalizer`` (a 0-dim tensor: the product keeps the weight's dtype, as
     ``Gemma3Model.embed_input_ids`` computes it)."""
@@ -77,8 +74,12 @@ class Gemma3ForCausalLMEagle3(Gemma3ForCausalLM, SupportsEagle3):
         inner.embed_tokens.normalizer = inner.normalizer  # the buffer embed_input_ids multiplied by
 
 
+CLASSES = {"Gemma3ForCausalLM": Gemma3ForCausalLMEagle3}  # architecture -> the class register() serves it with
+
+
 def register() -> None:
-    """Serve ``ARCHITECTURES`` with these classes in this process's vLLM (before ``vllm.LLM`` is built)."""
+    """Serve each of ``CLASSES`` with its class in this process's vLLM (before ``vllm.LLM`` is built)."""
     from vllm import ModelRegistry
 
-    ModelRegistry.register_model("Gemma3ForCausalLM", Gemma3ForCausalLMEagle3)
+    for arch, cls in CLASSES.items():
+        ModelRegistry.register_model(arch, cls)

@@ -90,11 +90,16 @@ def _capture(llm, ids: list[int]) -> dict:
     return {"layer_ids": layer_ids, "states": states}
 
 
+def _draft_model(worker):
+    """The draft's ``nn.Module`` on one of vLLM's workers (as ``collective_rpc`` hands it)."""
+    return getattr(worker, "worker", worker).model_runner.drafter.model
+
+
 def _draft_embed(llm, ids: list[int]) -> dict:
     import torch
 
     def embed(worker) -> list:
-        model = getattr(worker, "worker", worker).model_runner.drafter.model
+        model = _draft_model(worker)
         with torch.no_grad():
             return model.embed_input_ids(torch.tensor(ids)).float().cpu().tolist()
 
@@ -103,7 +108,7 @@ def _draft_embed(llm, ids: list[int]) -> dict:
 
 def _draft_params(llm) -> dict:
     def stats(worker) -> dict:
-        model = getattr(worker, "worker", worker).model_runner.drafter.model
+        model = _draft_model(worker)
         return {n: [list(p.shape), float(p.double().sum()), float(p.double().pow(2).sum())]
                 for n, p in model.named_parameters() if p.numel() > 0 and "embed_tokens" not in n}
 
