@@ -16,7 +16,8 @@ OUT=${2:-runs/study2-$MODEL}
 export HF_HUB_OFFLINE=1
 # vLLM serves the eagle3 and elsi:3 drafts of SmolLM2. Gemma-3 targets it serves too since elsi adds EAGLE-3 to
 # vLLM's Gemma3ForCausalLM (elsi/engines/vllm_models.py), but the committed Gemma-3 study's drafts were trained
-# on other machines without keeping their weights: their vLLM step needs them trained again (not done here)
+# on other machines without keeping their weights: bench/study_vllm.sh trains them again on this study's feature
+# cache and runs their vLLM step in a study of its own (runs/study2-gemma3-270m-vllm)
 VLLM="--vllm-sets eagle3 elsi:3 --vllm-spec-tokens 1"
 [ "$MODEL" = gemma3-270m ] && VLLM=""
 ARGS=(--model "$MODEL" --data sharegpt --run runs/$MODEL --out "$OUT"

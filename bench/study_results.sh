@@ -1,12 +1,13 @@
 # Copy a finished study's results (not its features or weights) into bench/results:
-#   bash bench/study_results.sh MODEL [STUDY_DIR]   (STUDY_DIR default runs/study2-MODEL, as bench/study.sh)
+#   bash bench/study_results.sh MODEL [STUDY_DIR [DEST]]   (STUDY_DIR default runs/study2-MODEL, as bench/study.sh;
+#   DEST default bench/results/study2-MODEL)
 # PARTIAL=1 copies an unfinished study's finished drafts (plan, benchmarks, training records) and lists what is
 # left in PARTIAL.txt; copied back into STUDY_DIR, they let `bash bench/study.sh MODEL` go on from there on
 # another machine (it rebuilds the feature cache, then trains and benchmarks only the missing drafts).
 set -e
 MODEL=${1:?usage: bash bench/study_results.sh MODEL [STUDY_DIR]}
 OUT=${2:-runs/study2-$MODEL}
-DEST=bench/results/study2-$MODEL
+DEST=${3:-bench/results/study2-$MODEL}
 if [ ! -f "$OUT/study.json" ] && [ "${PARTIAL:-0}" != 1 ]; then
   echo "$OUT has no study.json: run bash bench/study.sh $MODEL first (or PARTIAL=1 for its finished drafts)" >&2; exit 2
 fi
@@ -25,7 +26,11 @@ for d in "$OUT"/drafts/*/; do
     echo "draft $name: not benchmarked yet (redone from the start)" >> "$DEST/.left"
   fi
 done
-cp "$OUT/features/features.json" "$DEST/features.json"  # what the drafts trained on (not the features themselves)
+# what the drafts trained on (not the features themselves): the study's cache, or the one --features-dir named
+FEAT=$OUT/features
+[ -f "$FEAT/features.json" ] || FEAT=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["data"]["features_dir"])' \
+  "$(ls "$OUT"/drafts/*/training.json | head -1)")
+cp "$FEAT/features.json" "$DEST/features.json"
 if [ ! -f "$OUT/study.json" ]; then
   { echo "Unfinished study ($(date -u +%F)): finished drafts and benchmarks only; to go on, copy this folder"
     echo "to $OUT and run: bash bench/study.sh $MODEL"; cat "$DEST/.left"

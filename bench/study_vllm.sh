@@ -1,0 +1,21 @@
+# Deliverable 3 of issue 16 for a study whose draft weights were not kept (Gemma-3's: only records are committed):
+#   bash bench/study_vllm.sh MODEL [STUDY_DIR [FEATURES_DIR]]
+# trains the eagle3 and elsi:3 drafts again (seeds 0 1 2, bench/study.sh's recipe and budget, on the feature cache
+# FEATURES_DIR, default runs/study2-MODEL/features: that study's cache, reused rather than rebuilt), benchmarks each
+# in elsi's engine at this machine's best small tree only (one drafted token, temperature 0), then has vLLM serve
+# each as a chain of one token next to elsi's chain on the same questions (make vllm first). Results: STUDY_DIR
+# (default runs/study2-MODEL-vllm); copy them with bash bench/study_results.sh MODEL STUDY_DIR bench/results/study2-MODEL-vllm.
+# Resumable: rerun the same command after an interruption.
+set -e
+MODEL=${1:?usage: bash bench/study_vllm.sh MODEL [STUDY_DIR [FEATURES_DIR]]}
+OUT=${2:-runs/study2-$MODEL-vllm}
+FEAT=${3:-runs/study2-$MODEL/features}
+export HF_HUB_OFFLINE=1
+[ -f "$FEAT/features.json" ] || { echo "no feature cache in $FEAT: run bash bench/study.sh $MODEL first" >&2; exit 2; }
+ARGS=(--model "$MODEL" --data sharegpt --run runs/$MODEL --out "$OUT" --features-dir "$FEAT"
+  --sets eagle3 elsi:3 --seeds 0 1 2 --multi-seed-sets eagle3 elsi:3 --train-budget 0 --max-steps 1200 --samples 1200
+  --questions-per-subtask 2 --max-new-tokens 48 --temperature 0 --tree-nodes 1
+  --vllm-sets eagle3 elsi:3 --vllm-spec-tokens 1 --threads 2)
+.venv/bin/elsi study "${ARGS[@]}" --check
+[ -f runs/$MODEL/analysis.json ] || .venv/bin/elsi analyze --model "$MODEL" --out runs/$MODEL --threads 2
+.venv/bin/elsi study "${ARGS[@]}"
