@@ -5,7 +5,7 @@
 # left in PARTIAL.txt; copied back into STUDY_DIR, they let `bash bench/study.sh MODEL` go on from there on
 # another machine (it rebuilds the feature cache, then trains and benchmarks only the missing drafts).
 set -e
-MODEL=${1:?usage: bash bench/study_results.sh MODEL [STUDY_DIR]}
+MODEL=${1:?usage: bash bench/study_results.sh MODEL [STUDY_DIR [DEST]]}
 OUT=${2:-runs/study2-$MODEL}
 DEST=${3:-bench/results/study2-$MODEL}
 if [ ! -f "$OUT/study.json" ] && [ "${PARTIAL:-0}" != 1 ]; then
