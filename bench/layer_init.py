@@ -2,10 +2,14 @@
 on the same feature cache, the same held-out split and the same sample order (both drawn from the seed),
 the same step budget, one starting its midlayer from the target's last decoder layer. Writes the held-out
 depth-1 match of each and their differences (seed-to-seed spread of the difference = its noise), and with
---eval-every the held-out probe by step. Writes --out after each draft; run again, it keeps the drafts it has.
+--eval-every the held-out probe by step; with --questions N also each draft's teacher-forced match on N
+Spec-Bench questions per subtask (`elsi eval-draft`: the float32 target's own greedy answers, the text decoding
+meets; the held-out split is ShareGPT's). Writes --out after each draft; run again, it keeps the drafts it has.
 
     .venv/bin/python bench/layer_init.py --features-dir runs/features-sg400-fp32 --samples 400 --steps 500 \\
         --seeds 1 2 --out bench/results/layer_init_avx2.json
+    .venv/bin/python bench/layer_init.py --features-dir runs/features-sg1200-bf16 --samples 1200 --steps 1500 \\
+        --seeds 0 1 --questions 5 --out bench/results/layer_init_1500.json
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from elsi.draft.features import FeatureStore
 from elsi.draft.train import TrainConfig, train_draft
 from elsi.models import load_target
 from elsi.specbench.runner import machine_info
+from train_draft import spec_bench  # bench/ is this script's folder, first on sys.path
 
 
 def main() -> None:
@@ -38,6 +43,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-every", default="0", help="held-out probe (16 conversations) every so long, e.g. 3m")
+    ap.add_argument("--questions", type=int, default=0,
+                    help="Spec-Bench questions per subtask for each draft's `elsi eval-draft` (0: none)")
     ap.add_argument("--runs", default="runs/layer-init", help="the drafts' directories")
     ap.add_argument("--out", default="bench/results/layer_init.json")
     args = ap.parse_args()
@@ -68,13 +75,18 @@ def main() -> None:
                                 rec["curve"][-1]["acc"] if rec["curve"] else None, "load_before": load,
                                 "probe_curve": [(c["step"], c["match"][0]) for c in rec["heldout_curve"]],
                                 "settings": asdict(cfg)})
+            if args.questions:
+                res["runs"][-1].update(spec_bench(args.model, cfg.out, args.questions, args.threads))
             out.write_text(json.dumps(res, indent=1) + "\n")  # each finished draft at once
             print(f"seed {seed} {init}: held-out depth-1 {rec['heldout']['match'][0]:.4f}", file=sys.stderr)
-    by = {(r["seed"], r["layer_init"]): r["heldout_depth1_match"] for r in res["runs"]}
-    diffs = [by[(s, "target")] - by[(s, "random")] for s in args.seeds]
-    res["target_minus_random"] = {"per_seed": dict(zip(map(str, args.seeds), diffs)),
-                                  "mean": statistics.mean(diffs),
-                                  "stdev": statistics.stdev(diffs) if len(diffs) > 1 else None}
+    figures = ["heldout_depth1_match"] + (["spec_bench_depth1_match"] if args.questions else [])
+    res["target_minus_random"] = {}
+    for fig in figures:
+        by = {(r["seed"], r["layer_init"]): r[fig] for r in res["runs"]}
+        diffs = [by[(s, "target")] - by[(s, "random")] for s in args.seeds]
+        res["target_minus_random"][fig] = {"per_seed": dict(zip(map(str, args.seeds), diffs)),
+                                           "mean": statistics.mean(diffs),
+                                           "stdev": statistics.stdev(diffs) if len(diffs) > 1 else None}
     res["machine"]["load_average_end"] = os.getloadavg()
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res["target_minus_random"]))

@@ -3,7 +3,8 @@
 # cache, layers 2,15,27), the same seed and a short equal time budget per recipe; one change at a time
 # against the default. Writes bench/results/recipe/<name>.json (bench/train_draft.py's record: held-out
 # figures on the 240 held-out conversations, probe curve, tokens/s) and bench/results/recipe.json (the
-# table). Alone on the machine: about 6 minutes a probe.
+# table). Alone on the machine: about 6 minutes a probe. Every probe starts its midlayer at random (the default
+# when the table was made) unless it says otherwise (layer-target).
 #   bash bench/recipe.sh [BUDGET]       (default 5m)
 # Elsewhere (another feature cache, a step budget, a subset of the probes; e.g. on a CPU without native bf16):
 #   FEAT=DIR SAMPLES=N STEPS=N RESULTS=DIR ONLY="lr1e-3 layer-target" bash bench/recipe.sh
@@ -35,6 +36,7 @@ for name in "${ORDER[@]}"; do
   mkdir -p "$RESULTS"
   .venv/bin/python bench/train_draft.py --samples "$SAMPLES" --max-tokens 1024 $LIMIT --threads 2 \
     --no-eval --label "recipe-$name" --out "runs/recipe-$name" --result "$out" \
-    --extra "--features-dir $FEAT --ttt 1 --restart --eval-every 1m ${STEPS:+--max-steps $STEPS} ${PROBES[$name]}"
+    --extra "--features-dir $FEAT --ttt 1 --restart --eval-every 1m --layer-init random ${STEPS:+--max-steps $STEPS}
+      ${PROBES[$name]}"
 done
 .venv/bin/python bench/probe_table.py recipe "$RESULTS" "${ORDER[@]}"

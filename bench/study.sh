@@ -7,7 +7,8 @@
 # that the load on the machine cannot favour one set) on 1,200 ShareGPT conversations (such a draft sees under
 # one epoch of them: the default 4,800 would change nothing but the disk: 11 layers x 13.8 KB/token);
 # eight sets, three seeds for eagle3 and elsi:3; the paper's grid (temperature 0 and 1, 30 and 60 tree
-# nodes) and this machine's best tree (one drafted token);
+# nodes) and this machine's best tree (one drafted token); random-initialised midlayers (--layer-init random: the
+# committed studies' drafts predate the default auto, which starts a Llama target's draft from its last layer);
 # 2 questions per subtask, 48 new tokens; vLLM serves
 # the eagle3 and elsi:3 drafts as chains of one token (make vllm first; SmolLM2 only, see below).
 set -e
@@ -22,7 +23,7 @@ VLLM="--vllm-sets eagle3 elsi:3 --vllm-spec-tokens 1"
 [ "$MODEL" = gemma3-270m ] && VLLM=""
 ARGS=(--model "$MODEL" --data sharegpt --run runs/$MODEL --out "$OUT"
   --sets eagle2 eagle3 elsi:1 elsi:2 elsi:3 elsi-c:3 low-entropy:3 uniform:3
-  --seeds 0 1 2 --multi-seed-sets eagle3 elsi:3 --train-budget 0 --max-steps 1200 --samples 1200
+  --seeds 0 1 2 --multi-seed-sets eagle3 elsi:3 --train-budget 0 --max-steps 1200 --samples 1200 --layer-init random
   --questions-per-subtask 2 --max-new-tokens 48 --temperature 0 1 --tree-nodes 1 30 60
   $VLLM --threads 2 "${@:3}")
 # a resumed study that cannot go on here (other settings; drafts trained in a precision this CPU would not use:

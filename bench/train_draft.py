@@ -38,6 +38,26 @@ def run(argv: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def spec_bench(model: str, draft: str, questions: int, threads: int) -> dict:
+    """`elsi eval-draft` of ``draft`` (teacher-forced on the float32 target's own greedy Spec-Bench answers, cached
+    per target) -> the record's fields: its command, depth-1 match, match per depth, chain acceptance length and the
+    same per subtask."""
+    import contextlib
+    import io
+
+    ev = ["eval-draft", "--model", model, "--draft", draft, "--questions", str(questions), "--threads", str(threads),
+          "--json"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        run(ev)
+    res = json.loads(buf.getvalue())
+    return {"eval_command": "elsi " + shlex.join(ev), "spec_bench_depth1_match": res["all"]["match"][0],
+            "spec_bench_match_per_depth": res["all"]["match"],
+            "spec_bench_accept_length_chain": res["all"]["accept_length_chain"],
+            "spec_bench_per_subtask": {k: {"match": v["match"], "accept_length_chain": v["accept_length_chain"]}
+                                       for k, v in res["subtasks"].items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -102,21 +122,7 @@ def main() -> None:
                     "loadavg_1_5_15_after_train": load_after and [round(x, 2) for x in load_after]},
     }
     if not args.no_eval:
-        ev = ["eval-draft", "--model", args.model, "--draft", args.out, "--questions", str(args.questions),
-              "--threads", str(args.threads), "--json"]
-        import contextlib
-        import io
-
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            run(ev)
-        res = json.loads(buf.getvalue())
-        result["eval_command"] = "elsi " + shlex.join(ev)
-        result["spec_bench_depth1_match"] = res["all"]["match"][0]
-        result["spec_bench_match_per_depth"] = res["all"]["match"]
-        result["spec_bench_accept_length_chain"] = res["all"]["accept_length_chain"]
-        result["spec_bench_per_subtask"] = {k: {"match": v["match"], "accept_length_chain": v["accept_length_chain"]}
-                                            for k, v in res["subtasks"].items()}
+        result.update(spec_bench(args.model, args.out, args.questions, args.threads))
     Path(args.result).parent.mkdir(parents=True, exist_ok=True)
     Path(args.result).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("label", "heldout_depth1_match", "train_tokens_per_s")}))

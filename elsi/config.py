@@ -27,6 +27,22 @@ def like(cls: type, name: str, default: Any = dataclasses.MISSING, help_suffix: 
     return opt(default, f.metadata["help"] + help_suffix, **{k: v for k, v in f.metadata.items() if k != "help"})
 
 
+def settings_diff(old: Any, new: Any, where: str, path: str = "") -> list[str]:
+    """Each leaf of two nested settings dicts that differs, as "key.sub: <old> in <where>, <new> now"."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            p = f"{path}.{k}" if path else str(k)
+            if k not in old:
+                out.append(f"{p}: absent in {where}, {new[k]!r} now")
+            elif k not in new:
+                out.append(f"{p}: {old[k]!r} in {where}, absent now")
+            else:
+                out.extend(settings_diff(old[k], new[k], where, p))
+        return out
+    return [] if old == new else [f"{path}: {old!r} in {where}, {new!r} now"]
+
+
 def _base_type(tp) -> tuple[type, bool]:
     """(element type, is_list) of an annotation like ``int``, ``list[float]``, ``str | None``."""
     origin = typing.get_origin(tp)

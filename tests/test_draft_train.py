@@ -530,11 +530,11 @@ def test_compiled_training_tracks_eager_training(target, store, tmp_path):
     assert abs(rec[True]["heldout"]["match"][0] - rec[False]["heldout"]["match"][0]) <= 0.02
 
 
-def test_layer_init_copies_the_targets_last_layer_and_refuses_other_layer_types(target, store, tmp_path):
+def test_layer_init_copies_the_last_layer_as_auto_does_and_refuses_other_types(target, store, tmp_path):
     from conftest import make_tiny_gemma3
 
     from elsi.draft.model import config_for_target
-    from elsi.draft.train import init_layer_from_target
+    from elsi.draft.train import init_layer_from_target, resolve_layer_init
 
     rec = train_draft(target, store, train_cfg(tmp_path, max_steps=0, epochs=0.0, layer_init="target"), seed=0,
                       device=torch.device("cpu"))  # no step: the saved weights are the initial ones
@@ -549,12 +549,26 @@ def test_layer_init_copies_the_targets_last_layer_and_refuses_other_layer_types(
         assert torch.equal(w[f"midlayer.mlp.{p}_proj.weight"], getattr(last.mlp, f"{p}_proj").weight)
     assert torch.equal(w["midlayer.hidden_norm.weight"], last.input_layernorm.weight)
     assert torch.equal(w["midlayer.post_attention_layernorm.weight"], last.post_attention_layernorm.weight)
-    assert rec["settings"]["train"]["layer_init"] == "target"
+    assert rec["settings"]["train"]["layer_init"] == "target" and rec["layer_init"] == "target"
+    # auto (the default) copies the layer where it is of the draft's type, as 'target' does: the same weights
+    auto = train_draft(target, store, train_cfg(tmp_path / "auto", max_steps=0, epochs=0.0), seed=0,
+                       device=torch.device("cpu"))
+    assert auto["settings"]["train"]["layer_init"] == "auto" and auto["layer_init"] == "target"
+    assert load_file(str(tmp_path / "auto" / "model.safetensors")).keys() == w.keys()
+    for k, v in load_file(str(tmp_path / "auto" / "model.safetensors")).items():
+        assert torch.equal(v, w[k]), k
+    rand = train_draft(target, store, train_cfg(tmp_path / "random", max_steps=0, epochs=0.0, layer_init="random"),
+                       seed=0, device=torch.device("cpu"))
+    assert rand["layer_init"] == "random"
+    assert not torch.equal(load_file(str(tmp_path / "random" / "model.safetensors"))["midlayer.mlp.up_proj.weight"],
+                           last.mlp.up_proj.weight)
     gemma = make_tiny_gemma3()
     draft = Eagle3Draft(config_for_target(gemma, [1, 2, 4]), gemma.adapter.embed_tokens(gemma.model))
     with pytest.raises(ValueError, match="needs a Llama-type decoder layer .*Gemma3DecoderLayer.*q_norm"):
         init_layer_from_target(draft, gemma)
-    with pytest.raises(ValueError, match="layer_init must be 'target' or 'random', got 'last'"):
+    assert resolve_layer_init("auto", gemma) == "random" and resolve_layer_init("auto", target) == "target"
+    assert resolve_layer_init("random", target) == "random"
+    with pytest.raises(ValueError, match="layer_init must be auto, 'target' or 'random', got 'last'"):
         train_cfg(tmp_path, layer_init="last")
 
 
@@ -571,8 +585,9 @@ def test_records_from_before_a_setting_existed_still_match(target, store, tmp_pa
             raise Stop
 
     cpu = torch.device("cpu")
+    old_cfg = train_cfg(tmp_path, max_steps=6, layer_init="random")  # the default when layer_init was added
     with pytest.raises(Stop):
-        train_draft(target, store, train_cfg(tmp_path, max_steps=6), seed=1, device=cpu, on_progress=stop)
+        train_draft(target, store, old_cfg, seed=1, device=cpu, on_progress=stop)
     real = train.load_checkpoint
 
     def older(path):
@@ -581,8 +596,10 @@ def test_records_from_before_a_setting_existed_still_match(target, store, tmp_pa
         return tensors, saved
 
     monkeypatch.setattr(train, "load_checkpoint", older)
+    with pytest.raises(ValueError, match="other settings: train.layer_init: .random. in the checkpoint, .auto. now"):
+        train_draft(target, store, train_cfg(tmp_path, max_steps=6), seed=1, device=cpu)
     notes = []
-    train_draft(target, store, train_cfg(tmp_path, max_steps=6), seed=1, device=cpu,
+    train_draft(target, store, old_cfg, seed=1, device=cpu,
                 on_progress=lambda p: notes.append(p.note) if p.note else None)
     assert any("resumed" in n and "step 3" in n for n in notes)
     settings = {"train": {"ttt": 1, "layer_init": "random"}, "features": {}}

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from elsi.collect.collector import dist_info
 from elsi.collect.store import RunError, load_tensors, save_tensors
-from elsi.config import opt
+from elsi.config import opt, settings_diff
 from elsi.draft.features import FeatureStore, split_samples
 from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
 from elsi.draft.vocab import build_vocab, target_to_draft
@@ -105,9 +105,11 @@ class TrainConfig:
                            choices=("auto", "float32", "bfloat16"))
     train_compile: bool = opt(False, "torch.compile the draft's unrolled forward (and backward) in training (the "
                                      "first step compiles; measured: bench/results/bf16_train_compile.json)")
-    layer_init: str = opt("random", "initial midlayer: 'target' (the target's last decoder layer: its attention "
-                                    "read the state half of the draft's [embedding ; state] input, its MLP and norms "
-                                    "copied; Llama-type layers) or 'random'", choices=("target", "random"))
+    layer_init: str = opt("auto", "initial midlayer: 'target' (the target's last decoder layer: its attention "
+                                  "read the state half of the draft's [embedding ; state] input, its MLP and norms "
+                                  "copied; Llama-type layers), 'random', or auto (target where the target's layer is "
+                                  "of the draft's Llama type, random elsewhere; measured: bench/results/"
+                                  "layer_init_1500.json)", choices=("auto", "target", "random"))
     freeze_head: bool = opt(False, "keep the LM head at its initial weights (saves a third of its compute)")
     eval_every: str = opt("2m", "held-out check (on up to 16 held-out conversations) every this long")
     checkpoint_every: str = opt("2m", "checkpoint for resuming every this long")
@@ -128,8 +130,8 @@ class TrainConfig:
             raise ValueError(f"loss_on must be 'reply' or 'all', got {self.loss_on!r}")
         if self.head_init not in ("target", "random"):
             raise ValueError(f"head_init must be 'target' or 'random', got {self.head_init!r}")
-        if self.layer_init not in ("target", "random"):
-            raise ValueError(f"layer_init must be 'target' or 'random', got {self.layer_init!r}")
+        if self.layer_init not in ("auto", "target", "random"):
+            raise ValueError(f"layer_init must be auto, 'target' or 'random', got {self.layer_init!r}")
         if self.freeze_head and self.head_init == "random":
             raise ValueError("freeze_head with head_init='random' would keep a random head; use head_init='target'")
         for name in ("time_budget", "eval_every", "checkpoint_every"):
@@ -244,20 +246,37 @@ LLAMA_LAYER = {"input_layernorm.weight", "post_attention_layernorm.weight", "mlp
                *(f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o"))}
 
 
+def layer_type_mismatch(target: Target) -> str | None:
+    """Why the target's last decoder layer is not of the draft's own type (a Llama layer with a SiLU MLP, no
+    biases, no q/k norms), or None when it is and ``--layer-init target`` can copy it."""
+    layer = target.adapter.decoder(target.model).layers[-1]
+    names = {n for n, _ in layer.named_parameters()}
+    act = getattr(target.model.config.get_text_config(), "hidden_act", None)
+    if names == LLAMA_LAYER and act == "silu":
+        return None
+    extra, missing = sorted(names - LLAMA_LAYER), sorted(LLAMA_LAYER - names)
+    return (f"{type(layer).__name__} has activation {act!r}" + (f", parameters {extra} the draft's layer lacks"
+            if extra else "") + (f", no {missing}" if missing else ""))
+
+
+def resolve_layer_init(layer_init: str, target: Target) -> str:
+    """``--layer-init auto`` -> 'target' where the target's last layer is of the draft's type, else 'random'."""
+    if layer_init != "auto":
+        return layer_init
+    return "random" if layer_type_mismatch(target) else "target"
+
+
 def init_layer_from_target(draft: Eagle3Draft, target: Target) -> None:
     """``--layer-init target``: the draft's midlayer from the target's last decoder layer (the one that turns
     the residual stream into what the LM head reads). q, k and v read the state half of the draft's
     [norm(embedding) ; norm(state)] input with the layer's projections (the embedding half keeps its random
     initialisation), and o_proj, the MLP and the norms are the layer's (its input norm as ``hidden_norm``).
-    The layer must be of the draft's own type: a Llama layer with a SiLU MLP, no biases, no q/k norms."""
+    The layer must be of the draft's own type (``layer_type_mismatch``)."""
+    why = layer_type_mismatch(target)
+    if why:
+        raise ValueError(f"--layer-init target needs a Llama-type decoder layer (the draft's own), but {why}: use "
+                         "--layer-init random (or auto, which picks random for such targets)")
     layer = target.adapter.decoder(target.model).layers[-1]
-    names = {n for n, _ in layer.named_parameters()}
-    act = getattr(target.model.config.get_text_config(), "hidden_act", None)
-    if names != LLAMA_LAYER or act != "silu":
-        extra, missing = sorted(names - LLAMA_LAYER), sorted(LLAMA_LAYER - names)
-        raise ValueError(f"--layer-init target needs a Llama-type decoder layer (the draft's own), but "
-                         f"{type(layer).__name__} has activation {act!r}" + (f", parameters {extra} the draft's layer "
-                         f"lacks" if extra else "") + (f", no {missing}" if missing else "") + ": use --layer-init random")
     mid, d = draft.midlayer, draft.config.hidden_size
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj"):  # (out, 2d) <- (out, d) on the state half
@@ -630,7 +649,8 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
     gen = torch.Generator().manual_seed(seed)
     init_weights(draft, gen)
     draft.set_vocab(d2t, t2d)
-    if cfg.layer_init == "target":
+    layer_init = resolve_layer_init(cfg.layer_init, target)
+    if layer_init == "target":
         init_layer_from_target(draft, target)
     if cfg.head_init == "target":
         with torch.no_grad():
@@ -658,9 +678,11 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
                          "(unpickling can run code): pass --restart to start this draft over (it deletes the file)")
     if ck.is_file() and not cfg.restart:
         tensors, saved = load_checkpoint(ck)
-        if {**saved["settings"], "train": with_added_settings(saved["settings"]["train"])} != settings:
-            raise ValueError(f"{ck} was written with other settings; pass --restart to start over "
-                             f"or choose another --out")
+        diffs = settings_diff({**saved["settings"], "train": with_added_settings(saved["settings"]["train"])},
+                              settings, "the checkpoint")
+        if diffs:
+            raise ValueError(f"{ck} was written with other settings: " + "; ".join(diffs) + "; pass the same "
+                             "options to finish it, --restart to start over, or choose another --out")
         had = saved["state"].get("matmul_dtype", mm_name)  # absent in checkpoints written before it was kept
         if had != mm_name:  # --train-dtype auto resolves per machine: the same settings, another precision
             raise ValueError(f"{ck} was trained with {had} matmuls, this run would go on in {mm_name} "
@@ -814,6 +836,7 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
         "train_tokens_per_s": state["tokens"] / max(1e-9, state["elapsed"]),
         "train_matmul_dtype": mm_name,
         "train_compiled": cfg.train_compile,
+        "layer_init": layer_init,  # --layer-init auto resolved for this target
         "curve": state["curve"],
         "heldout_curve": state["heldout_curve"],
         "heldout": final,

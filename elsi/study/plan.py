@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from elsi.collect.store import read_json, write_json
-from elsi.config import like, opt
+from elsi.config import like, opt, settings_diff
 from elsi.data.conversations import data_identity
 from elsi.data.spec_bench import SUBTASKS
 from elsi.draft.features import FeatureConfig
@@ -264,21 +264,6 @@ def layer_sets(plan: dict) -> list[LayerSet]:
             for s in plan["sets"]]
 
 
-def _diff(old, new, path: str = "") -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = []
-        for k in sorted(set(old) | set(new), key=str):
-            p = f"{path}.{k}" if path else str(k)
-            if k not in old:
-                out.append(f"{p}: absent in plan.json, {new[k]!r} now")
-            elif k not in new:
-                out.append(f"{p}: {old[k]!r} in plan.json, absent now")
-            else:
-                out.extend(_diff(old[k], new[k], p))
-        return out
-    return [] if old == new else [f"{path}: {old!r} in plan.json, {new!r} now"]
-
-
 def _data_by_content(settings: dict) -> dict:
     """``settings`` of an older plan.json, whose ``features.data`` is a path, with the data's identity instead
     (that file's content now; a path that no longer exists stays as it is and differs)."""
@@ -300,7 +285,7 @@ def plan_differences(old: dict, new: dict) -> list[str]:
     settings = _data_by_content(old.get("settings", {}))
     if "train" in settings:
         settings = {**settings, "train": with_added_settings(settings["train"])}
-    diffs = _diff(settings, new["settings"])
+    diffs = settings_diff(settings, new["settings"], "plan.json")
     if old.get("model") != new["model"]:
         diffs.append(f"model: {old.get('model')!r} in plan.json, {new['model']!r} now")
     before = {s["name"]: s["layers"] for s in old.get("sets", [])}
