@@ -1,4 +1,4 @@
-"""From one forward pass to per-block Gram matrices (DESIGN.md, "Statistics").
+"""From one forward pass to per-block Gram matrices (docs/design.md, "Statistics").
 
 Step 1  token entropy H_t of the target's next-token distribution (natural log);
 Step 2  token-entropy filter: drop the floor(rho * n) lowest-entropy positions;

@@ -16,7 +16,7 @@ Positions: a row built from target features at sequence position i has ``positio
 token drafted at depth j on top of root position i (j = 1 for the first drafted token's row)
 has ``position_id`` i + j. Training-time test (``unroll``) uses exactly this numbering.
 
-Layer ids follow DESIGN.md: ``h_l`` is Hugging Face ``hidden_states[l]`` (vLLM's numbering
+Layer ids follow docs/design.md: ``h_l`` is Hugging Face ``hidden_states[l]`` (vLLM's numbering
 of ``eagle_aux_hidden_state_layer_ids``).
 """
 
@@ -46,7 +46,7 @@ CONFIG = "config.json"
 class DraftConfig:
     """Shapes of the draft and the target it serves (written to ``config.json``)."""
 
-    layer_ids: tuple[int, ...]  # target hidden-state ids the draft reads (DESIGN.md numbering)
+    layer_ids: tuple[int, ...]  # target hidden-state ids the draft reads (docs/design.md numbering)
     target_num_layers: int  # N of the target; ids must lie in 0..N
     target_hidden_size: int  # d_t, width of each target state
     hidden_size: int  # d, width of the draft (= the target's embedding width)

@@ -1,6 +1,6 @@
 """Draft training: soft cross-entropy against the target, training-time test unrolled ``ttt`` steps.
 
-Step by step (Li et al., "EAGLE-3", 2025, with this project's choices from DESIGN.md):
+Step by step (Li et al., "EAGLE-3", 2025, with this project's choices from docs/design.md):
 1. Features: one target forward per sample, cached (``elsi.draft.features``).
 2. Vocabulary: the ``draft_vocab`` most frequent target greedy tokens of the training split
    (``elsi.draft.vocab``); a position whose target argmax is outside it is masked.
@@ -76,7 +76,7 @@ def parse_duration(text: str) -> float:
 class TrainConfig:
     """Draft model and its training."""
 
-    layers: str = opt(help="target hidden-state ids the draft reads, e.g. 2,15,27 (DESIGN.md numbering)")
+    layers: str = opt(help="target hidden-state ids the draft reads, e.g. 2,15,27 (docs/design.md numbering)")
     out: str = opt(help="output directory of the draft (model.safetensors, config.json, training.json)")
     draft_vocab: int = opt(8192, "draft vocabulary: the most frequent target tokens of the training data")
     ttt: int = opt(1, "training-time-test unroll depth (step i weighted 0.8^i); 1 = depth-1 only, the best use of "

@@ -1,6 +1,6 @@
 """How each serving or training engine reads an EAGLE3 draft's ``config.json`` (from their code).
 
-elsi's layer ids index Hugging Face ``hidden_states`` (DESIGN.md): ``h_0`` = embeddings, ``h_l`` =
+elsi's layer ids index Hugging Face ``hidden_states`` (docs/design.md): ``h_0`` = embeddings, ``h_l`` =
 output of decoder layer l-1 = input of decoder layer l, ``h_N`` = the final, *normed* state. Each
 function below encodes one engine's rule and returns, per input slot of the draft's ``fc``, the
 ``hidden_states`` index the engine feeds it (``None`` where what it feeds has no HF index: vLLM's id

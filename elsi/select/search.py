@@ -1,4 +1,4 @@
-"""Layer-set selection from the Gram tensor (DESIGN.md, "Selection").
+"""Layer-set selection from the Gram tensor (docs/design.md, "Selection").
 
 - ELSI: beam search over set entropy (Goel et al., "Surfing the Activation Wave").
 - ELSI-C: ELSI whose extensions are limited to the q layers most dissimilar (1 - CKA)

@@ -6,7 +6,7 @@ answers in turn (interleaved, so machine load hits all alike): transformers ``ge
 this engine's plain decoding, and speculative decoding at each tree size. mt_bench questions
 have two turns; each method keeps its own first answer in the context of the second.
 
-Metrics (DESIGN.md): tokens/s of a question = its new tokens over its wall time (both turns,
+Metrics (docs/design.md): tokens/s of a question = its new tokens over its wall time (both turns,
 prefill included); speed-up = mean over questions of the tokens/s ratio; tau = accepted
 tokens over steps, pooled over all steps of a subtask. Warm-up generations are not timed.
 """

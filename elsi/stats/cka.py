@@ -1,4 +1,4 @@
-"""Linear CKA from Gram matrices, minibatch estimator (DESIGN.md, "Statistics").
+"""Linear CKA from Gram matrices, minibatch estimator (docs/design.md, "Statistics").
 
 CKA(K, L) = sum_b HSIC(K_b, L_b) / sqrt(sum_b HSIC(K_b, K_b) * sum_b HSIC(L_b, L_b)).
 

@@ -1,4 +1,4 @@
-"""Matrix entropy of layer sets from the Gram tensor (DESIGN.md, "Statistics").
+"""Matrix entropy of layer sets from the Gram tensor (docs/design.md, "Statistics").
 
 For a set S and block b: K = sum_{l in S} G[b,l] / tr G[b,l]; p = eig(K) / tr K with
 negatives clipped to 0; H = -sum p log p (nats). Per-sample value = mean over its

@@ -1,4 +1,4 @@
-"""Transitions and compartments from the CKA of adjacent layers (DESIGN.md, "Statistics").
+"""Transitions and compartments from the CKA of adjacent layers (docs/design.md, "Statistics").
 
 T_l = 1 - CKA(l, l+1) for l = 0..N-1: how much the representation changes from h_l to
 h_{l+1}. Boundaries are the peaks of T (scipy.signal.find_peaks) with a prominence of

@@ -4,7 +4,7 @@ Set specs (``--sets``):
 - ``eagle2``, ``eagle3``: the fixed baselines ([N] and [2, N//2, N-3]);
 - ``METHOD:M``: ``elsi.select`` method METHOD (elsi, elsi-c, exhaustive, low-entropy, uniform)
   at size M, e.g. ``elsi:3``;
-- ``layers:IDS``: an explicit set, e.g. ``layers:5,18,27`` (DESIGN.md numbering).
+- ``layers:IDS``: an explicit set, e.g. ``layers:5,18,27`` (docs/design.md numbering).
 
 Every set's entropy is the score ``elsi select`` reports for it (same scorer and aggregate).
 The sets named in ``--multi-seed-sets`` get every ``--seeds``; the others the first seed only

@@ -1,6 +1,6 @@
 """A study's results: τ per set, subtask and condition, noise, rank correlation with entropy, study.md.
 
-Definitions (DESIGN.md, "Speculative decoding"):
+Definitions (docs/design.md, "Speculative decoding"):
 - τ of a draft on a group of answers = accepted tokens / target steps, pooled over all the
   group's steps (Spec-Bench's rule); "all" pools every subtask.
 - A set's τ = the mean over its seeds' drafts (plan.json gives each set its seeds: every
