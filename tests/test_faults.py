@@ -6,7 +6,10 @@ analyze``, is rebuilt), a run that would train or score on nothing is an error, 
 ever loaded, a bad ``--model`` fails before any data loads, a draft recorded for another target
 fails before any model loads, another tool's draft loads from its standard keys, and ``analyze``, ``train-draft``
 and ``study`` interrupted by SIGINT or SIGKILL at seeded random points resume to the result
-of an uninterrupted run.
+of an uninterrupted run, and two processes writing one output never both do: a second ``analyze`` on a
+busy run directory is refused before any model loads, two ``train-draft`` that need one feature cache
+build it once, two first conversions of a GGUF file convert it once, and a lock left by a killed
+process is taken over with a notice.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,7 +35,7 @@ from safetensors.torch import load_file
 import elsi
 from elsi.cli import main
 from elsi.collect.collector import CollectConfig, collect
-from elsi.collect.store import GRAMS, MANIFEST, RunError, load_tensors
+from elsi.collect.store import GRAMS, MANIFEST, BusyError, RunError, load_tensors, lock, lock_path
 from elsi.data import load_dataset
 from elsi.draft.features import FeatureConfig, FeatureStore, build_features
 from elsi.draft.train import CHECKPOINT, TrainConfig, train_draft
@@ -714,3 +718,232 @@ def test_study_killed_by_sigint_then_sigkill_resumes_to_the_same_results(model_d
     assert "eagle2-s0.json is corrupt" in err and "training.json is corrupt" in err
     assert tau(json.loads((out / "study.json").read_text())) == tau(sa)
     assert json.loads((out / "drafts" / "elsi-2-s0" / "training.json").read_text())["status"] == "complete"
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes, one directory: one writer at a time (``elsi.collect.store.lock``), in real processes.
+# A first process is stopped (SIGSTOP) as soon as it holds its lock, so that the second one meets a live
+# holder whatever the machine's speed; it is let go (SIGCONT) once the second has shown what it does.
+
+
+def _wait_for(cond: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert proc.poll() is None, f"process {proc.pid} ended (rc {proc.returncode}) before {what}"
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def lock_argv(model_dir: Path, data: Path, out: Path) -> list[str]:
+    return ["analyze", "--model", str(model_dir), "--data", str(data), "--samples", "6", "--max-tokens", "128",
+            "--block", "8", "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def single_run(model_dir, data, tmp_path_factory) -> Path:
+    """`analyze` alone, with the subprocesses' settings (one CPU thread)."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    threads = torch.get_num_threads()
+    try:
+        assert main([*lock_argv(model_dir, data, out), "--device", "cpu", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def assert_same_run(got: Path, want: Path) -> None:
+    """The same Gram tensor bit for bit, the same samples and counts, the same statistics."""
+    a, b = grams_of(want), grams_of(got)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ma, mb = (json.loads((d / MANIFEST).read_text()) for d in (want, got))
+    assert mb["samples"] == ma["samples"] and mb["counts"] == ma["counts"]
+    assert mb["counts"]["samples_used"] == 6
+    figures = lambda d: {k: v for k, v in json.loads((d / ANALYSIS).read_text()).items()  # noqa: E731
+                         if k not in ("integrity", "elapsed_s")}
+    assert figures(got) == figures(want)
+
+
+def test_lock_rules(tmp_path):
+    import socket
+
+    d = tmp_path / "out"
+    with lock(d, "the run directory") as lf:
+        rec = json.loads(lf.read_text())
+        assert lf == lock_path(d) == tmp_path / "out.lock" and not d.exists()  # beside it, not in it
+        assert rec["pid"] == os.getpid() and rec["host"] == socket.gethostname() and rec["started"] and rec["command"]
+        with lock(tmp_path / "." / "out"):  # this process again: nested, released by the outer block
+            pass
+        assert lf.exists()
+    assert not lf.exists()
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C (and SIGTERM, which the CLI turns into it) releases it
+        with lock(d):
+            raise KeyboardInterrupt
+    assert not lf.exists()
+    # Another host's lock is never taken over: its process may run.
+    lf.write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "2025-01-01T00:00:00+00:00",
+                              "command": "elsi analyze --out out", "token": "x"}))
+    with pytest.raises(BusyError, match=rf"the run directory {re.escape(str(d))} is in use: another elsi process is "
+                                        r"writing it \(pid 1 on host elsewhere.*if it does not, delete "):
+        with lock(d, "the run directory"):
+            pass
+    # A lock file left half-written (its process killed while writing it) is taken over with a notice.
+    lf.write_text('{"pid": 12')
+    os.utime(lf, (time.time() - 60, time.time() - 60))
+    with pytest.warns(UserWarning, match="left it unreadable.*taking its lock over"):
+        with lock(d):
+            assert json.loads(lf.read_text())["pid"] == os.getpid()
+    assert not lf.exists()
+
+
+def test_a_second_analyze_on_a_busy_directory_is_refused_before_any_model_loads(model_dir, data, single_run,
+                                                                               tmp_path):
+    run_dir = tmp_path / "run"
+    first = _start(lock_argv(model_dir, data, run_dir), tmp_path, "first")
+    _wait_for(lock_path(run_dir).exists, first[0], "the first process's lock")
+    first[0].send_signal(signal.SIGSTOP)
+    try:
+        second, out, err = _start(lock_argv(model_dir, data, run_dir), tmp_path, "second")
+        second.wait(timeout=120)
+    finally:
+        first[0].send_signal(signal.SIGCONT)
+    err = err.read_text()
+    assert second.returncode == 2 and out.read_text() == "", err
+    assert err.startswith(f"elsi analyze: error: the run directory {run_dir} is in use: another elsi process is "
+                          f"writing it (pid {first[0].pid} on host ") and "analyze" in err.split("`")[1], err
+    assert len(err.strip().splitlines()) == 1  # no progress bar: nothing loaded, nothing collected
+    stdout, _ = _finish(first)
+    assert f"{run_dir}: 6 samples" in stdout
+    assert_same_run(run_dir, single_run)  # a single run's result, counts included
+    assert not lock_path(run_dir).exists()
+
+
+def test_a_lock_left_by_a_killed_analyze_is_taken_over_with_a_notice(model_dir, data, single_run, tmp_path):
+    run_dir = tmp_path / "run"
+    killed, _, _ = _start(lock_argv(model_dir, data, run_dir), tmp_path, "killed")
+    _wait_for(lock_path(run_dir).exists, killed, "the process's lock")
+    killed.kill()
+    killed.wait(timeout=60)
+    assert json.loads(lock_path(run_dir).read_text())["pid"] == killed.pid  # left behind by SIGKILL
+    _, err = _finish(_start(lock_argv(model_dir, data, run_dir), tmp_path, "next"))
+    assert (f"elsi: warning: {lock_path(run_dir)}: the elsi process that held it (pid {killed.pid} on host " in err
+            and "is no longer running; taking its lock over" in err), err
+    assert_same_run(run_dir, single_run)
+    assert not lock_path(run_dir).exists()
+
+
+def test_two_train_drafts_that_need_one_feature_cache_build_it_once(model_dir, data, tmp_path, monkeypatch):
+    argv = lambda out, feat, layers: ["train-draft", "--model", str(model_dir), "--data", str(data),  # noqa: E731
+                                      "--samples", "12", "--max-tokens", "64", "--layers", layers,
+                                      "--cache-layers", "2,3,5,6,8", "--out", str(out), "--features-dir", str(feat),
+                                      "--draft-vocab", "100", "--ttt", "2", "--max-steps", "20", "--time-budget", "0",
+                                      "--batch-size", "2", "--eval-every", "0"]
+    sets = {"a": "2,5,8", "b": "3,6,8"}
+    for name, layers in sets.items():  # each draft trained alone, on a cache of its own
+        _reference(argv(tmp_path / f"ref-{name}", tmp_path / f"ref-feat-{name}", layers), tmp_path, monkeypatch)
+    feat = tmp_path / "feat"  # does not exist yet: both processes need it built
+    first = _start(argv(tmp_path / "a", feat, sets["a"]), tmp_path, "a")
+    _wait_for(lock_path(feat).exists, first[0], "the feature cache's lock")
+    first[0].send_signal(signal.SIGSTOP)
+    try:
+        second = _start(argv(tmp_path / "b", feat, sets["b"]), tmp_path, "b")
+        _wait_for(lambda: "waiting for it to finish" in second[2].read_text(), second[0], "the second to wait")
+    finally:
+        first[0].send_signal(signal.SIGCONT)
+    _, err_a = _finish(first)
+    _, err_b = _finish(second)
+    assert (f"elsi: warning: the feature cache {feat} is being written by another elsi process "
+            f"(pid {first[0].pid} on host ") in err_b
+    assert "forward, " in err_a and "forward, " not in err_b  # built by the first only; the second read it
+    assert len(FeatureStore(feat)) == 12 and not lock_path(feat).exists()
+    for name in sets:
+        a = load_file(str(tmp_path / f"ref-{name}" / "model.safetensors"))
+        b = load_file(str(tmp_path / name / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        ra, rb = (json.loads((d / "training.json").read_text())["heldout"] for d in (tmp_path / f"ref-{name}",
+                                                                                      tmp_path / name))
+        assert ra == rb, name
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A 2-layer Llama of the tests' tokenizer as a float32 GGUF file (the ``gguf`` package's writer)."""
+    import gguf
+
+    t = make_tiny_target(num_layers=2)
+    cfg, tok = t.model.config, t.tokenizer
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([k for k, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])])
+    w.add_token_types([1] * len(tok))
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for key, value in t.model.state_dict().items():
+        stem = key.removesuffix(".weight")
+        if stem.startswith("model.layers."):
+            _, _, i, rest = stem.split(".", 3)
+            stem = f"blk.{i}.{names[rest]}"
+        else:
+            stem = names[stem]
+        w.add_tensor(f"{stem}.weight", value.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# `resolve_model` in a process of its own, counting the conversions it makes (the calls that read a GGUF file).
+CONVERT = """
+import sys
+import transformers
+from elsi.models.load import resolve_model
+real = transformers.AutoModelForCausalLM.from_pretrained
+def counted(*args, **kwargs):
+    if kwargs.get("gguf_file"):
+        with open(sys.argv[2], "a") as f:
+            f.write("converted\\n")
+    return real(*args, **kwargs)
+transformers.AutoModelForCausalLM.from_pretrained = counted
+print(resolve_model(sys.argv[1]))
+"""
+
+
+def test_two_first_time_conversions_of_one_gguf_convert_it_once(tmp_path):
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf")
+    count = tmp_path / "conversions.txt"
+
+    def start(name: str) -> tuple[subprocess.Popen, Path, Path]:
+        out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        return (subprocess.Popen([sys.executable, "-c", CONVERT, str(gguf_file), str(count)], stdout=out.open("w"),
+                                 stderr=err.open("w"), env=_env(tmp_path), cwd=tmp_path), out, err)
+
+    models = tmp_path / "elsi-cache" / "models"
+    first = start("first")
+    _wait_for(lambda: any(models.glob("*.lock")), first[0], "the conversion's lock")
+    first[0].send_signal(signal.SIGSTOP)
+    try:
+        second = start("second")
+        _wait_for(lambda: "waiting for it to finish" in second[2].read_text(), second[0], "the second to wait")
+    finally:
+        first[0].send_signal(signal.SIGCONT)
+    (out_a, _), (out_b, err_b) = _finish(first), _finish(second)
+    assert f"the converted model {out_a.strip()} is being written by another elsi process (pid {first[0].pid}" in err_b
+    assert out_a == out_b and count.read_text() == "converted\n"  # one conversion, both processes use it
+    converted = Path(out_a.strip())
+    assert (converted / "elsi_source.json").is_file() and sorted(p.name for p in models.iterdir()) == [converted.name]
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(converted).num_hidden_layers == 2

@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 
-from elsi.cli.common import Command, build_configs
+from elsi.cli.common import Command, build_configs, writing
 from elsi.config import add_dataclass_args
 
 # Modules defining ``COMMANDS: list[Command]``, in pipeline order.
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     old = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         configs = build_configs(cmd, ns)
-        return int(cmd.run(*configs) or 0)
+        with writing(cmd, configs):  # a second writer of the same output is refused here, before anything loads
+            return int(cmd.run(*configs) or 0)
     except (ValueError, FileNotFoundError) as err:
         print(f"elsi {cmd.name}: error: {err}", file=sys.stderr)
         return 2

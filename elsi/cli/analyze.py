@@ -137,6 +137,7 @@ def score(args: ScoreArgs) -> int:
 
 COMMANDS = [
     Command("analyze", "collect the Gram tensor of every hidden layer and compute entropy, CKA and transitions",
-            (CollectConfig, AnalysisConfig, AnalyzeOutput, Runtime), analyze),
+            (CollectConfig, AnalysisConfig, AnalyzeOutput, Runtime), analyze,
+            writes=lambda ccfg, acfg, dest, rt: [(run_dir_for(dest.out, ccfg.model), "the run directory")]),
     Command("score", "entropy (raw and normalised) of any layer set of a finished run", (ScoreArgs,), score),
 ]

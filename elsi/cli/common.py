@@ -7,11 +7,14 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 
 import torch
 
+from elsi.collect.store import lock
 from elsi.config import from_args, opt
 from elsi.models import resolve_device
 
@@ -29,6 +32,10 @@ class Command:
     # Fields of a config class that get no option (the command sets them itself); a skipped field
     # keeps its default, a required one is given "" (the instance is then a template).
     skip: Mapping[type, tuple[str, ...]] = field(default_factory=dict)
+    # What the command writes and later reads back or resumes, from its configs (called like ``run``):
+    # (path, what it is) pairs, each locked (``elsi.collect.store.lock``) before the command starts, so that
+    # a second process writing the same output is refused before any model loads.
+    writes: Callable[..., list[tuple[str | Path, str]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,17 @@ def is_main_process() -> bool:
     import torch.distributed as dist
 
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+@contextmanager
+def writing(cmd: Command, configs: list) -> Iterator[None]:
+    """Hold the lock of every output ``cmd`` writes (``Command.writes``) while the block runs; a busy one is
+    ``BusyError``. Under torchrun rank 0 holds them for every rank (``RANK`` is set before any group exists)."""
+    with ExitStack() as stack:
+        if cmd.writes is not None and os.environ.get("RANK", "0") == "0":
+            for path, what in cmd.writes(*configs):
+                stack.enter_context(lock(path, what))
+        yield
 
 
 def build_configs(cmd: Command, ns: argparse.Namespace) -> list:

@@ -155,5 +155,6 @@ COMMANDS = [
     Command("generate", "answer one prompt with lossless tree speculative decoding (or plainly, without --draft)",
             (GenerateArgs, DecodeConfig, TreeConfig, Runtime), generate_cmd),
     Command("bench", "Spec-Bench: tau per subtask and speed-ups against plain decoding and transformers generate",
-            (BenchConfig, VllmBenchConfig, Runtime), bench_cmd),
+            (BenchConfig, VllmBenchConfig, Runtime), bench_cmd,
+            writes=lambda cfg, vcfg, rt: [(cfg.out, "the benchmark results")] if cfg.out else []),
 ]

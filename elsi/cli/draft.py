@@ -116,7 +116,8 @@ def evaluate(cfg: EvalConfig, rt: Runtime) -> int:
 
 COMMANDS = [
     Command("train-draft", "train an EAGLE3-style draft on any target layer set (features cached on disk)",
-            (FeatureConfig, TrainConfig, Runtime), train),
+            (FeatureConfig, TrainConfig, Runtime), train,
+            writes=lambda fcfg, tcfg, rt: [(tcfg.out, "the draft directory")]),
     Command("eval-draft", "teacher-forced draft match rates and chain acceptance length on Spec-Bench",
             (EvalConfig, Runtime), evaluate),
 ]

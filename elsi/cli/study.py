@@ -187,7 +187,8 @@ COMMANDS = [
     Command("study", "train and benchmark one draft per layer set and seed (same data, budget and settings): "
                      "τ per subtask, against eagle3/eagle2, and its rank correlation with set entropy",
             (StudyConfig, FeatureConfig, TrainConfig, Runtime), study,
-            skip={FeatureConfig: ("cache_layers",), TrainConfig: ("layers", "out", "time_budget", "restart")}),
+            skip={FeatureConfig: ("cache_layers",), TrainConfig: ("layers", "out", "time_budget", "restart")},
+            writes=lambda cfg, fcfg, tcfg, rt: [] if cfg.check else [(cfg.out, "the study directory")]),
     Command("compare-studies", "studies of several models side by side: CKA compartments, the selected sets' gains, "
                                "τ against entropy per model, and a verdict on each of the paper's claims",
             (CompareArgs,), compare),

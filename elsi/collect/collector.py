@@ -2,7 +2,8 @@
 
 Resumable: finished samples are written to shards atomically; a Ctrl-C writes the
 pending samples first; a kill loses at most the samples since the last shard. Running
-the same command again continues from the shards and never counts a sample twice.
+the same command again continues from the shards and never counts a sample twice; running
+it twice at once is refused (the run directory's lock, ``elsi.collect.store.lock``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 from elsi.collect.grams import NORMALIZE, block_grams, blocks_of, filter_positions, kept_count, token_entropy
-from elsi.collect.store import (GRAMS, MANIFEST, VARIANTS, RunError, ShardStore, analyze_command, read_json,
+from elsi.collect.store import (GRAMS, MANIFEST, VARIANTS, RunError, ShardStore, analyze_command, lock, read_json,
                                 save_tensors, verify_tensors, write_json)
 from elsi.data import Dataset, data_fingerprint, iter_tokenized
 from elsi.config import opt
@@ -213,9 +215,18 @@ def collect(
     too short for one full block after filtering is skipped before any forward pass.
     Under torch.distributed, rank r forwards the samples at positions p with
     p % world == r and rank 0 merges every rank's shards in sample order, so the run
-    equals the single-process one.
+    equals the single-process one. Another process writing ``run_dir`` is an error (``lock``: rank 0
+    holds the run directory's lock for every rank).
     """
     rank, world = dist_info()
+    with lock(run_dir, "the run directory") if rank == 0 else nullcontext():
+        return _collect(target, dataset, cfg, run_dir, on_progress, flush_every, flush_seconds, rank, world)
+
+
+def _collect(target: Target, dataset: Dataset, cfg: CollectConfig, run_dir: Path,
+             on_progress: Callable[[Progress], None] | None, flush_every: int, flush_seconds: float, rank: int,
+             world: int) -> dict:
+    """``collect`` in process ``rank`` of ``world``, rank 0 holding the run directory's lock."""
     fingerprint = dataset.fingerprint or None
     if rank == 0:
         man = existing_run(run_dir, cfg, fingerprint)

@@ -19,6 +19,8 @@ multiplies them back, in float32 where an exponent is not 0. A non-finite target
 
 The cache directory is keyed by model, data and settings (max tokens, seed, regeneration),
 not by the number of samples: a longer run extends it and a shorter one reads its prefix.
+Several processes share a cache: one builds or extends it under its lock (``elsi.collect.store.lock``)
+while another that needs it waits, then reads what was built; a finished cache is read without a lock.
 It stores the union of layers it was built with (``FeatureConfig.cache_layers``); asking a
 layer it does not hold is a clear error. Storage: shards of ``.npy`` files read by memory
 map, and ``features.json`` listing the samples (written after each shard: resumable).
@@ -48,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from elsi.collect.collector import dist_info
+from elsi.collect.store import lock
 from elsi.config import opt
 from elsi.data.conversations import (Dataset, Sample, assistant_mask, data_identity, iter_tokenized, render,
                                      tokenize)
@@ -416,7 +419,35 @@ def build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers:
 
 def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers: Sequence[int],
                     on_progress: Callable[[Progress], None] | None, shard_samples: int) -> FeatureStore:
-    """``build_features`` in one process."""
+    """``build_features`` in one process. A finished cache is read without a lock (readers are never blocked);
+    one to build or extend is written under its lock (``elsi.collect.store.lock``): a second process that
+    needs the same cache waits for the first, then reads what it built rather than building it again."""
+    path = features_dir_for(cfg, target)
+    store = _usable_cache(path, target, dataset, cfg, layers)
+    if store is not None:
+        return store
+    with lock(path, "the feature cache", wait=True):
+        return _extend_features(target, dataset, cfg, layers, on_progress, shard_samples)
+
+
+def _usable_cache(path: Path, target: Target, dataset: Dataset, cfg: FeatureConfig,
+                  layers: Sequence[int]) -> FeatureStore | None:
+    """The cache in ``path`` when it is finished for ``cfg`` and fits it, else None (``_extend_features`` then
+    builds it, or says what does not fit)."""
+    if not (path / MANIFEST).is_file():
+        return None
+    store = FeatureStore(path)
+    need = set(layers) | set(parse_layers(cfg.cache_layers or list(layers), target.num_layers))
+    recorded = store.manifest["settings"].get("data_fingerprint")
+    fits = (need <= set(store.layers) and store.dtype == target.dtype_name
+            and (recorded is None or not dataset.fingerprint or recorded == dataset.fingerprint))
+    done = store.manifest.get("complete_for", 0) >= cfg.samples or store.manifest.get("exhausted")
+    return store if fits and done else None
+
+
+def _extend_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers: Sequence[int],
+                     on_progress: Callable[[Progress], None] | None, shard_samples: int) -> FeatureStore:
+    """Build or extend the cache of ``cfg`` (or return it, finished meanwhile by another process), holding its lock."""
     want = parse_layers(cfg.cache_layers or list(layers), target.num_layers)
     path = features_dir_for(cfg, target)
     if (path / MANIFEST).is_file():

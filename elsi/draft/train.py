@@ -38,6 +38,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from elsi.collect.collector import dist_info
-from elsi.collect.store import RunError, load_tensors, save_tensors
+from elsi.collect.store import RunError, load_tensors, lock, save_tensors
 from elsi.config import opt, settings_diff
 from elsi.draft.features import FeatureStore, split_samples
 from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
@@ -613,11 +614,19 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
     the loss is normalised by the global count of scored positions, so the gradients, the
     logged figures and the weights are those of one process with the same batch (up to
     floating-point summation order). Rank 0's clock decides the time budget, evaluation and
-    checkpoints; rank 0 alone evaluates and writes, the other ranks wait at a barrier.
+    checkpoints; rank 0 alone evaluates and writes, the other ranks wait at a barrier. Another
+    process writing ``cfg.out`` is an error (``lock``: rank 0 holds the draft directory's lock).
     """
+    rank, world = dist_info()
+    with lock(cfg.out, "the draft directory") if rank == 0 else nullcontext():
+        return _train_draft(target, store, cfg, seed, device, samples, on_progress, rank, world)
+
+
+def _train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int, device: torch.device,
+                 samples: int | None, on_progress: Callable[[Progress], None] | None, rank: int, world: int) -> dict:
+    """``train_draft`` in process ``rank`` of ``world``, rank 0 holding the draft directory's lock."""
     from elsi.draft.features import parse_layers
 
-    rank, world = dist_info()
     if world > 1 and cfg.batch_size < world:
         raise ValueError(f"batch_size {cfg.batch_size} is smaller than the world size {world}: every process "
                          f"needs a share of each step's batch; use a batch size of at least {world}")

@@ -443,7 +443,8 @@ def write_results(results: dict, path: str | Path) -> Path:
 
 
 def progress_path(out: str | Path) -> Path:
-    """Where a benchmark writing ``out`` keeps its finished configurations until it is done."""
+    """Where a benchmark writing ``out`` keeps its finished configurations until it is done (one writer: the
+    process holding ``out``'s lock, ``elsi bench --out`` or ``elsi study``; ``elsi.collect.store.lock``)."""
     out = Path(out)
     return out.with_name(out.name + ".progress")
 

