@@ -24,6 +24,7 @@ VLLM="--vllm-sets eagle3 elsi:3 --vllm-spec-tokens 1"
 ARGS=(--model "$MODEL" --data sharegpt --run runs/$MODEL --out "$OUT"
   --sets eagle2 eagle3 elsi:1 elsi:2 elsi:3 elsi-c:3 low-entropy:3 uniform:3
   --seeds 0 1 2 --multi-seed-sets eagle3 elsi:3 --train-budget 0 --max-steps 1200 --samples 1200 --layer-init random
+  --exact-questions-per-subtask 0
   --questions-per-subtask 2 --max-new-tokens 48 --temperature 0 1 --tree-nodes 1 30 60
   $VLLM --threads 2 "${@:3}")
 # a resumed study that cannot go on here (other settings; drafts trained in a precision this CPU would not use:

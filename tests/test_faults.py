@@ -693,7 +693,8 @@ def test_study_killed_by_sigint_then_sigkill_resumes_to_the_same_results(model_d
                         "--max-tokens", "48", "--draft-vocab", "100", "--max-steps", "40", "--batch-size", "2",
                         "--train-budget", "0", "--checkpoint-every", "0.2s", "--subtasks", "qa",
                         "--questions-per-subtask", "1", "--max-new-tokens", "5", "--temperature", "0",
-                        "--tree-nodes", "4", "--depth", "3", "--top-k", "2", "--warmup", "0", "--bootstrap", "0"]
+                        "--tree-nodes", "4", "--depth", "3", "--top-k", "2", "--warmup", "0", "--bootstrap", "0",
+                        "--exact-questions-per-subtask", "0"]  # temperature 0 decoded live: the steps it counts
     _reference(argv(tmp_path / "ref"), tmp_path, monkeypatch)
     out = tmp_path / "cut"
     # Ctrl-C while the first draft trains (or later), then a kill while the second trains or is benchmarked.

@@ -330,7 +330,7 @@ def _argv(tiny_dir, tiny_run, tiny_data, out, *extra):
             "--draft-vocab", "100", "--max-steps", "12", "--batch-size", "2", "--train-budget", "0",
             "--subtasks", *SUBTASKS, "--questions-per-subtask", "1", "--max-new-tokens", "5",
             "--temperature", "0", "1", "--tree-nodes", "4", "--depth", "3", "--top-k", "2", "--warmup", "0",
-            "--bootstrap", "200", "--device", "cpu", *extra]
+            "--bootstrap", "200", "--device", "cpu", "--exact-questions-per-subtask", "0", *extra]
 
 
 def _pooled_tau(answers, temperature=None):
@@ -661,3 +661,118 @@ def test_compare_studies_tests_the_compartment_explanation(tmp_path):
     assert "| ELSI m=3 beats EAGLE-3 by +1.6 to +2.2 % τ" in md and "**supported**" in md
     path = models_tau_entropy([a, b], tmp_path / "models_tau_entropy.png")
     assert png_size(path) == pixel_size("models_tau_entropy")
+
+
+def test_delta_pct_interval_against_a_naive_hierarchical_bootstrap():
+    """Paired seeds and questions drawn together: the interval equals a loop over resamples written out."""
+    from elsi.study.summary import delta_pct_interval, resample_weights
+
+    rng = np.random.default_rng(5)
+    q, seeds = 12, [0, 1, 2]
+    stats = {}
+    for name, base in (("eagle3", 2.0), ("elsi:3", 2.05)):
+        for sd in seeds:
+            steps = rng.integers(20, 40, q).astype(float)
+            stats[(name, sd)] = {"steps": steps, "accepted": steps * (base + rng.normal(0, 0.15, q))}
+    w = resample_weights(q, 300, seed=0)
+    got = delta_pct_interval(stats, {"eagle3": seeds, "elsi:3": seeds}, "elsi:3", "eagle3", w)
+    pick = np.random.default_rng(1).integers(0, len(seeds), size=(300, len(seeds)))
+    deltas = []
+    for r in range(300):
+        tau = {}
+        for name in ("elsi:3", "eagle3"):
+            per = [(w[r] @ stats[(name, seeds[i])]["accepted"]) / (w[r] @ stats[(name, seeds[i])]["steps"])
+                   for i in pick[r]]
+            tau[name] = sum(per) / len(per)
+        deltas.append(100 * (tau["elsi:3"] / tau["eagle3"] - 1))
+    lo, hi = np.percentile(deltas, [2.5, 97.5])
+    assert got["pct_ci_low"] == pytest.approx(lo) and got["pct_ci_high"] == pytest.approx(hi)
+    assert got["pct_half_width"] == pytest.approx((hi - lo) / 2) and got["paired_seeds"] == seeds
+    per_seed = [100 * ((stats[("elsi:3", s)]["accepted"].sum() / stats[("elsi:3", s)]["steps"].sum())
+                       / (stats[("eagle3", s)]["accepted"].sum() / stats[("eagle3", s)]["steps"].sum()) - 1)
+                for s in seeds]
+    half = scipy.stats.t.ppf(0.975, 2) * np.std(per_seed, ddof=1) / math.sqrt(3)
+    assert got["t_ci_low"] == pytest.approx(np.mean(per_seed) - half)
+    assert got["t_ci_high"] == pytest.approx(np.mean(per_seed) + half)
+    # unpaired seeds are not paired: only the common ones count
+    assert delta_pct_interval(stats, {"eagle3": [0, 1], "elsi:3": [1, 2]}, "elsi:3", "eagle3", w)["paired_seeds"] == [1]
+
+
+def _powered(delta, lo, hi, seeds=8, needed=None, subtasks=None):
+    return {**_gain(delta, lo, hi, None, subtasks), "half_width": (hi - lo) / 2, "paired_seeds": seeds,
+            "seeds_needed": needed}
+
+
+def test_claim_rules_for_a_powered_study():
+    from elsi.study.compare import CONTRADICTED, SUPPORTED, UNRESOLVED, judge_m1, judge_m3, judge_where
+
+    assert judge_m3(_powered(1.9, 1.2, 2.6))[0] == SUPPORTED  # 1.6 inside, above 0
+    assert judge_m3(_powered(2.9, 2.3, 3.5))[0] == SUPPORTED  # a larger gain than the paper's
+    assert judge_m3(_powered(0.4, -0.3, 1.1))[0] == CONTRADICTED  # 1.6 excluded
+    verdict, numbers = judge_m3(_powered(0.4, -1.0, 1.8, seeds=2, needed=11))
+    assert verdict == UNRESOLVED and "half-width 1.40" in numbers and "about 11 paired seeds" in numbers
+    assert judge_m1(_powered(-0.5, -1.2, 0.2))[0] == SUPPORTED
+    assert judge_m1(_powered(-2.2, -2.9, -1.5))[0] == CONTRADICTED
+    assert judge_m1(_powered(-2.2, -3.9, -0.5))[0] == UNRESOLVED  # too wide
+    sub = lambda d, lo, hi: {"delta_pct": d, "ci_low_pct": lo, "ci_high_pct": hi}  # noqa: E731
+    good = {"translation": sub(4, 1, 7), "summarization": sub(3, 0.5, 6), "qa": sub(1, -2, 4)}
+    assert judge_where(_powered(2, 1.4, 2.6, subtasks=good))[0] == SUPPORTED
+    mixed = {**good, "qa": sub(5, 2, 8)}  # qa second: not resolvable before, decided now
+    assert judge_where(_powered(2, 1.4, 2.6, subtasks=mixed))[0] == CONTRADICTED
+    assert judge_where(_powered(2, 0.4, 3.6, subtasks=mixed))[0] == UNRESOLVED  # too wide to decide
+
+
+def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tmp_path, monkeypatch, capsys):
+    """--exact-questions-per-subtask: temperature 0 from the exact evaluator (its own, larger question set),
+    temperature 1 decoded live; the exact τ equals live decoding of the same questions; rerun reuses it."""
+    import elsi.specbench.exact
+    import elsi.study.run
+    from elsi.decode import load_drafter
+    from elsi.models import load_target
+    from elsi.specbench import BenchConfig, run_bench
+
+    monkeypatch.setenv("ELSI_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "study"
+    argv = _argv(tiny_dir, tiny_run, tiny_data, out, "--sets", "eagle3", "elsi:2", "--tree-nodes", "2", "4",
+                 "--exact-questions-per-subtask", "2", "--bootstrap", "50")
+    assert main(argv) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["settings"]["exact"] == {"questions_per_subtask": 2, "max_new_tokens": 5, "tree_nodes": [2, 4],
+                                         "depth": 3, "top_k": 2, "subtasks": SUBTASKS}
+    study = json.loads((out / "study.json").read_text())
+    assert [(c["temperature"], c["tree_nodes"]) for c in study["conditions"]] == [
+        (0.0, 2), (0.0, 4), (1.0, 2), (1.0, 4), (0.0, None), (None, None)]
+    assert [c["questions"] for c in study["conditions"]] == [4, 4, 2, 2, 4, 4]
+    target = load_target(str(tiny_dir))
+    for s in plan["sets"]:
+        for seed in (0, 1):
+            live = json.loads((out / "bench" / f"{s['slug']}-s{seed}.json").read_text())
+            assert {r["temperature"] for r in live["runs"]} == {1.0}  # temperature 0 is not decoded live
+            exact = json.loads((out / "exact" / f"{s['slug']}-s{seed}.json").read_text())
+            path = str(out / "drafts" / f"{s['slug']}-s{seed}")
+            drafter, _ = load_drafter(path, target)
+            ref = run_bench(target, drafter, BenchConfig(model=str(tiny_dir), draft=path, subtasks=SUBTASKS,
+                                                          questions_per_subtask=2, max_new_tokens=5, temperature=[0.0],
+                                                          tree_nodes=[2, 4], depth=3, top_k=2, hf_generate=False,
+                                                          plain=False, warmup=0))
+            for t, run in zip(exact["trees"], ref["runs"]):
+                assert t["tree"]["tree_nodes"] == run["tree_nodes"]
+                assert t["overall"]["tau"] == pytest.approx(run["overall"]["tau"])  # exact = live, step for step
+                assert t["overall"]["steps"] == run["overall"]["steps"]
+            cond = study["conditions"][1]
+            row = next(r for r in cond["sets"] if r["name"] == s["name"])
+            assert row["tau_seeds"][seed] == pytest.approx(exact["trees"][1]["overall"]["tau"])
+    gap = study["conditions"][4]["gaps"][0]  # elsi:2 vs eagle3, temperature 0 pooled: the claims' condition
+    assert gap["paired_seeds"] == [0, 1] and gap["pct_half_width"] is not None
+    assert "paired seeds and the questions" in " ".join(study["verdict"])
+    # A rerun redoes nothing: no training, no live benchmark, no exact τ.
+    calls = []
+    monkeypatch.setattr(elsi.specbench.exact, "exact_tau", lambda *a, **k: calls.append(a) or {})
+    monkeypatch.setattr(elsi.study.run, "run_bench", lambda *a, **k: calls.append(a) or {})
+    monkeypatch.setattr(elsi.study.run, "train_draft", lambda *a, **k: calls.append(a) or {})
+    capsys.readouterr()
+    assert main(argv) == 0 and calls == []
+    assert "exact τ of eagle3 seed 0 at temperature 0 (done" in capsys.readouterr().err
+    # Temperature above 0 with the exact evaluator is refused by elsi bench, before any model loads.
+    assert main(["bench", "--draft", "random", "--exact", "--temperature", "1"]) == 2
+    assert "--exact computes τ at temperature 0 only" in capsys.readouterr().err

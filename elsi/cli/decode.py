@@ -125,9 +125,13 @@ def bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime) -> int:
     draft_cfg = check_draft_spec(cfg.draft, cfg.model, rt.trust_remote_code)  # another target's draft fails here
     if vcfg.engine == "vllm":
         return vllm_bench_cmd(cfg, vcfg, rt, draft_cfg)
+    if cfg.exact and vcfg.engine != "elsi":
+        raise ValueError(f"--exact replays elsi's engine; it does not apply to --engine {vcfg.engine}")
     device, dtype = rt.setup()
     target = load_target(cfg.model, device, dtype, rt.trust_remote_code)
     drafter, info = load_drafter(cfg.draft, target, cfg.seed)
+    if cfg.exact:
+        return exact_bench(cfg, target, drafter.draft, info)
     if drafter is None:
         print("elsi bench: no --draft: timing plain decoding and transformers generate only", file=sys.stderr)
 
@@ -142,6 +146,33 @@ def bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime) -> int:
     res = {"command": "elsi bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "elsi bench",
            "draft": info, "versions": package_versions(), "machine": machine_info(), **res}
     header, rows = summary_rows(res)
+    print(table(rows, header))
+    if cfg.out:
+        path = Path(cfg.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
+def exact_bench(cfg: BenchConfig, target, draft, info: dict) -> int:
+    """``elsi bench --exact``: τ at temperature 0 of every --tree-nodes from the target's cached answers."""
+    from elsi.specbench.answers import greedy_answers
+    from elsi.specbench.exact import exact_rows, exact_tau
+
+    def show(what: str):
+        return lambda done, total: print(f"\r{what} [{done}/{total}]", end="", file=sys.stderr, flush=True)
+
+    answers = greedy_answers(target, cfg.subtasks, cfg.questions_per_subtask, cfg.max_new_tokens,
+                             on_progress=show("target answers"))
+    trees = [TreeConfig(n, cfg.depth, cfg.top_k) for n in cfg.tree_nodes]
+    res = exact_tau(target, draft, answers, trees, cfg.max_new_tokens, on_progress=show("exact τ"))
+    print(file=sys.stderr)
+    from dataclasses import asdict
+
+    res = {"command": "elsi bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "elsi bench",
+           "draft": info, "settings": asdict(cfg), "machine": machine_info(), **res}
+    header, rows = exact_rows(res)
     print(table(rows, header))
     if cfg.out:
         path = Path(cfg.out)

@@ -11,12 +11,16 @@ from tqdm import tqdm
 
 from elsi.cli.common import Command, Runtime, check_inputs, is_main_process, print_json, table
 from elsi.data import load_dataset
-from elsi.draft.evaluate import EvalConfig, evaluate_draft, greedy_answers, trained_depth
+from elsi.collect.store import write_json
+from elsi.decode.drafters import check_draft_spec
+from elsi.draft.evaluate import EvalConfig, evaluate_draft, subtask_list, trained_depth
 from elsi.draft.features import FeatureConfig, Progress as FeatureProgress, build_features, parse_layers
 from elsi.draft.model import Eagle3Draft
 from elsi.draft.train import Progress, TrainConfig, parse_duration, train_draft
 from elsi.engines import warn_engines
 from elsi.models import load_target
+from elsi.specbench.answers import greedy_answers
+from elsi.specbench.exact import ExactConfig, exact_rows, exact_tau
 
 
 def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
@@ -79,26 +83,31 @@ def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
     return 0
 
 
-def evaluate(cfg: EvalConfig, rt: Runtime) -> int:
+def evaluate(cfg: EvalConfig, xcfg: ExactConfig, rt: Runtime) -> int:
     check_inputs(cfg.model)
     if not (Path(cfg.draft) / "config.json").is_file():
         raise FileNotFoundError(f"no draft in {cfg.draft} (config.json missing): train one with "
                                 f"`elsi train-draft --out {cfg.draft}`")
+    check_draft_spec(cfg.draft, cfg.model, rt.trust_remote_code)  # another target's draft fails before any model loads
     device, dtype = rt.setup()
     target = load_target(cfg.model, device, dtype, rt.trust_remote_code)
-    draft = Eagle3Draft.from_pretrained(cfg.draft, target.adapter.embed_tokens(target.model))
+    draft = Eagle3Draft.from_pretrained(cfg.draft, target.adapter.embed_tokens(target.model), target.num_layers)
     depth = cfg.depth or trained_depth(cfg.draft)
     bar = tqdm(desc="target answers", unit="turn", file=sys.stderr, dynamic_ncols=True)
-
-    def show(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
-
-    answers = greedy_answers(target, cfg, on_progress=show)
+    answers = greedy_answers(target, subtask_list(cfg.subtasks), cfg.questions, cfg.max_new, cfg.gen_batch,
+                             path=cfg.answers or None, on_progress=_bar_update(bar))
     bar.close()
     res = evaluate_draft(target, draft, answers, depth)
-    res.update({"model": cfg.model, "draft": cfg.draft, "questions_per_subtask": cfg.questions})
+    res.update({"model": cfg.model, "draft": cfg.draft, "questions_per_subtask": cfg.questions,
+                "max_new": cfg.max_new})
+    if xcfg.exact:
+        bar = tqdm(desc="exact tau", unit="turn", file=sys.stderr, dynamic_ncols=True)
+        res["exact"] = exact_tau(target, draft.to(device), answers, xcfg.trees(), cfg.max_new,
+                                 on_progress=_bar_update(bar))
+        bar.close()
+    if cfg.out:
+        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(Path(cfg.out), res)
     if cfg.json:
         print_json(res)
         return 0
@@ -109,15 +118,34 @@ def evaluate(cfg: EvalConfig, rt: Runtime) -> int:
         rows.append([name, *(f"{m:.3f}" for m in r["match"]), f"{r['accept_length_chain']:.3f}",
                      f"{r['accept_length_product']:.3f}"])
     print(table(rows, ["subtask", *(f"d{d}" for d in range(1, depth + 1)), "tau (chain)", "tau (product)"]))
+    if xcfg.exact:
+        ex = res["exact"]
+        print(f"\nexact τ at temperature 0 ({ex['answer_turns']} answer turns, {ex['answer_tokens']} tokens; "
+              f"{ex['greedy_flips']} near ties the answers' batched generation rounded otherwise):")
+        print(table(*reversed(exact_rows(ex))))
     print(json.dumps({"draft": cfg.draft, "depth1_match": res["all"]["match"][0],
-                      "accept_length_chain": res["all"]["accept_length_chain"]}))
+                      "accept_length_chain": res["all"]["accept_length_chain"],
+                      **({"exact_tau": {str(t["tree"]["tree_nodes"]): t["overall"]["tau"]
+                                        for t in res["exact"]["trees"]}} if xcfg.exact else {})}))
+    if cfg.out:
+        print(f"wrote {cfg.out}")
     return 0
+
+
+def _bar_update(bar):
+    def show(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return show
 
 
 COMMANDS = [
     Command("train-draft", "train an EAGLE3-style draft on any target layer set (features cached on disk)",
             (FeatureConfig, TrainConfig, Runtime), train,
             writes=lambda fcfg, tcfg, rt: [(tcfg.out, "the draft directory")]),
-    Command("eval-draft", "teacher-forced draft match rates and chain acceptance length on Spec-Bench",
-            (EvalConfig, Runtime), evaluate),
+    Command("eval-draft", "teacher-forced draft match rates on Spec-Bench, and the exact τ of tree decoding at "
+                          "temperature 0 (no decoding loop)",
+            (EvalConfig, ExactConfig, Runtime), evaluate),
 ]

@@ -1,7 +1,7 @@
 """Offline draft evaluation on Spec-Bench (``elsi eval-draft``).
 
-Step 1: the target answers each question greedily (every turn; turn k's prompt holds the
-earlier turns and the target's own answers); answers are cached per target and settings.
+Step 1: the target's greedy answers to each question (every turn), cached per target and settings
+(``elsi.specbench.answers``; the CLI reads them and passes them in).
 Step 2: one target forward over prompt + answer gives the features at the draft's layers.
 Step 3: the draft is unrolled ``depth`` steps teacher-forced on that answer; at depth j a
 position counts when the token j ahead is an answer token. Reported per subtask and pooled:
@@ -12,20 +12,18 @@ a chain of ``depth`` drafts (accepted drafts + the target's own token), both as 
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from elsi.config import opt
-from elsi.data.spec_bench import SUBTASKS, load_questions
+from elsi.data.spec_bench import SUBTASKS
 from elsi.draft.features import target_features
 from elsi.draft.model import Eagle3Draft
 from elsi.draft.train import TRAINING, LabelHead, chain_runs, make_batch, summarize, ttt_loss
-from elsi.models.load import Target, cache_dir
+from elsi.models.load import Target
 
 
 @dataclass(frozen=True)
@@ -35,10 +33,13 @@ class EvalConfig:
     draft: str = opt(help="draft directory written by `elsi train-draft`")
     model: str = opt("smollm2-135m", "target model: alias, HF directory, .gguf file or hub id")
     subtasks: str = opt("all", f"comma-separated Spec-Bench subtasks or 'all' ({', '.join(SUBTASKS)})")
-    questions: int = opt(10, "questions per subtask")
-    max_new: int = opt(256, "most tokens the target writes per answer")
-    depth: int = opt(0, "unroll depth (0 = the draft's training ttt)")
+    questions: int = opt(10, "questions per subtask (80: all of Spec-Bench)")
+    max_new: int = opt(128, "most tokens the target writes per answer (per turn)")
+    depth: int = opt(0, "unroll depth of the teacher-forced match rates (0 = the draft's training ttt)")
     gen_batch: int = opt(8, "questions answered together")
+    answers: str = opt("", "the target's answers file (default: the cache entry of these settings under "
+                           "$ELSI_CACHE/spec_bench_answers, made when missing)")
+    out: str = opt("", "also write the results JSON here")
     json: bool = opt(False, "print JSON")
 
     def __post_init__(self) -> None:
@@ -46,69 +47,14 @@ class EvalConfig:
             raise ValueError(f"questions must be >= 1, got {self.questions}")
         if self.depth < 0:
             raise ValueError(f"depth must be >= 0, got {self.depth}")
+        if self.max_new < 1:
+            raise ValueError(f"max_new must be >= 1, got {self.max_new}")
+        if self.gen_batch < 1:
+            raise ValueError(f"gen_batch must be >= 1, got {self.gen_batch}")
 
 
 def subtask_list(spec: str) -> list[str]:
     return list(SUBTASKS) if spec.strip() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
-
-
-def _prompt_ids(target: Target, messages: list[dict]) -> list[int]:
-    tok = target.tokenizer
-    if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tok(text, add_special_tokens=False)["input_ids"]
-    from elsi.models.adapters import plain_template
-
-    return tok(plain_template(messages, True))["input_ids"]
-
-
-@torch.no_grad()
-def greedy_answers(target: Target, cfg: EvalConfig, on_progress: Callable[[int, int], None] | None = None) -> list[dict]:
-    """Per question turn: {"question_id", "subtask", "turn", "prompt", "answer"} (token ids), cached."""
-    qs = load_questions(subtask_list(cfg.subtasks), cfg.questions)
-    key = hashlib.sha256(json.dumps([target.source, cfg.subtasks, cfg.questions, cfg.max_new]).encode()).hexdigest()[:12]
-    path = cache_dir() / "spec_bench_answers" / f"{key}.json"
-    if path.is_file():
-        try:
-            cached = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            cached = None  # a damaged cache file: the answers are generated again
-        if isinstance(cached, list) and all(isinstance(a, dict) and {"prompt", "answer"} <= a.keys() for a in cached):
-            return cached
-    tok, model = target.tokenizer, target.model
-    eos = tok.eos_token_id
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    convs = {q.question_id: [] for q in qs}
-    out: list[dict] = []
-    done = 0
-    for turn in range(max(len(q.turns) for q in qs)):
-        live = [q for q in qs if turn < len(q.turns)]
-        for a in range(0, len(live), cfg.gen_batch):
-            part = live[a: a + cfg.gen_batch]
-            prompts = []
-            for q in part:
-                convs[q.question_id].append({"role": "user", "content": q.turns[turn]})
-                prompts.append(_prompt_ids(target, convs[q.question_id]))
-            width = max(map(len, prompts))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)  # (B, W)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new, do_sample=False,
-                                 pad_token_id=pad)[:, width:].tolist()  # (B, new)
-            for q, p, ans in zip(part, prompts, gen):
-                if eos in ans:
-                    ans = ans[: ans.index(eos) + 1]  # keep the EOS: the draft should predict it too
-                out.append({"question_id": q.question_id, "subtask": q.subtask, "turn": turn, "prompt": p,
-                            "answer": ans})
-                text = tok.decode([t for t in ans if t != eos], skip_special_tokens=True)
-                convs[q.question_id].append({"role": "assistant", "content": text})
-            done += len(part)
-            if on_progress:
-                on_progress(done, sum(len(q.turns) for q in qs))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(out))
-    tmp.replace(path)  # whole or not at all
-    return out
 
 
 @torch.no_grad()

@@ -52,6 +52,8 @@ class BenchConfig:
                             "plain answers are timed once elsewhere (elsi study)")
     warmup: int = opt(1, "untimed warm-up answers per method before the timed ones")
     seed: int = opt(0, "seed of the sampling generators")
+    exact: bool = opt(False, "τ at temperature 0 from the exact evaluator instead of live decoding: the target's "
+                             "cached greedy answers, no decoding loop, no timing (elsi.specbench.exact)")
     out: str = opt("", "write the results JSON here")
 
     def __post_init__(self) -> None:
@@ -63,6 +65,14 @@ class BenchConfig:
             DecodeConfig(self.max_new_tokens, t, self.top_p)
         if not (self.hf_generate or self.plain or self.draft):
             raise ValueError("nothing to run: no --draft, and both --no-hf-generate and --no-plain")
+        if self.exact:
+            bad = [t for t in self.temperature if t != 0]
+            if bad:
+                raise ValueError(f"--exact computes τ at temperature 0 only, got --temperature {bad}: sampled "
+                                 "acceptance is random and needs live decoding (leave --exact off for T > 0)")
+            if self.draft in ("", "target"):
+                raise ValueError(f"--exact replays an EAGLE draft's trees: give --draft a draft directory or 'random', "
+                                 f"got {self.draft!r}")
 
 
 def encode_chat(tokenizer, turns: list[tuple[str, str]], raw: bool = False) -> list[int]:

@@ -27,6 +27,14 @@ seeds of any set):
    or more layers; ties: lower mean CKA of adjacent layers first). Supported: the most
    compartmentalised model's m = 3 gain is supported and the least one's is not (its CI reaches 0 or
    below); contradicted: the reverse; otherwise not resolvable.
+5. Studies with the exact τ (issue 30) are judged on temperature 0, every tree size pooled, all of
+   Spec-Bench, with the 95 % interval of Δ% from a hierarchical bootstrap over paired seeds and questions
+   (``summary.delta_pct_interval``); written before their runs, from the width a pilot of two seeds gave.
+   If the interval's half-width exceeds ±0.8 points (``TARGET_HALF_WIDTH``), every claim on that model is
+   not resolvable, with the width and the seeds that would reach it. Otherwise:
+   m3_gain: contradicted when the interval lies below +1.6 %; supported when it lies above 0 and reaches
+   +1.6 %. m1_parity: supported when |Δ| < 1.6 %, contradicted otherwise. where: supported as in 3,
+   contradicted otherwise. compartments: as in 4, on these verdicts.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from elsi.collect.store import read_json
-from elsi.study.summary import _clean, _f, md_table, spearman
+from elsi.study.summary import TARGET_HALF_WIDTH, _clean, _f, claims_condition, md_table, spearman
 
 PAPER = {
     "m3_gain": {"claim": "ELSI m=3 beats EAGLE-3 by +1.6 to +2.2 % τ", "low_pct": 1.6, "high_pct": 2.2},
@@ -78,18 +86,42 @@ def gain(cond: dict, name: str, ref: str = "eagle3") -> dict | None:
     if g is None:
         return None
     ref_tau = next(r["tau"] for r in cond["sets"] if r["name"] == ref)  # {subtask: τ}
-    subs = {s: {"delta_pct": x["delta_pct"], "ci_low_pct": _pct(x["ci_low"], ref_tau[s]) if ref_tau.get(s) else None,
-                "ci_high_pct": _pct(x["ci_high"], ref_tau[s]) if ref_tau.get(s) else None}
-            for s, x in g.get("subtasks", {}).items()}
+    # rules (5): an exact-τ condition, judged on the interval over paired seeds and questions (issue 30)
+    powered = bool(cond.get("exact")) and g.get("pct_half_width") is not None
+    subs = {}
+    for s, x in g.get("subtasks", {}).items():
+        if powered:  # Δ% intervals over seeds and questions
+            subs[s] = {"delta_pct": x["delta_pct"], "ci_low_pct": x.get("pct_ci_low"), "ci_high_pct": x.get("pct_ci_high")}
+        else:
+            subs[s] = {"delta_pct": x["delta_pct"],
+                       "ci_low_pct": _pct(x["ci_low"], ref_tau[s]) if ref_tau.get(s) else None,
+                       "ci_high_pct": _pct(x["ci_high"], ref_tau[s]) if ref_tau.get(s) else None}
     base = g["tau_ref"]
-    return {"set": name, "vs": ref, "tau": g["tau"], "tau_ref": base, "delta_pct": g["delta_pct"],
-            "ci_low_pct": _pct(g["ci_low"], base), "ci_high_pct": _pct(g["ci_high"], base),
-            "seed_spread_pct": _pct(g["seed_spread"], base), "beyond_seed_spread": g["beyond_seed_spread"],
-            "subtasks": subs}
+    out = {"set": name, "vs": ref, "tau": g["tau"], "tau_ref": base, "delta_pct": g["delta_pct"],
+           "ci_low_pct": _pct(g["ci_low"], base), "ci_high_pct": _pct(g["ci_high"], base),
+           "seed_spread_pct": _pct(g["seed_spread"], base), "beyond_seed_spread": g["beyond_seed_spread"],
+           "subtasks": subs, "half_width": None}
+    if powered:
+        out.update(ci_low_pct=g["pct_ci_low"], ci_high_pct=g["pct_ci_high"], half_width=g["pct_half_width"],
+                   paired_seeds=len(g["paired_seeds"]), seeds_needed=g.get("seeds_needed"),
+                   t_ci_low_pct=g.get("t_ci_low"), t_ci_high_pct=g.get("t_ci_high"))
+    return out
+
+
+def _width_missed(g: dict) -> str | None:
+    """Why a powered interval cannot decide (its half-width over ``TARGET_HALF_WIDTH``), or None."""
+    if g["half_width"] <= TARGET_HALF_WIDTH:
+        return None
+    need = f"; about {g['seeds_needed']} paired seeds would reach it" if g.get("seeds_needed") else ""
+    return (f": the interval's half-width {_f(g['half_width'], 2)} points over {g['paired_seeds']} paired seeds "
+            f"misses the target ±{TARGET_HALF_WIDTH}{need}")
 
 
 def _gain_numbers(g: dict) -> str:
-    """A gain in words: Δ % [interval], seed spread %."""
+    """A gain in words: Δ % [interval], seed spread % (powered: the interval over paired seeds and questions)."""
+    if g.get("half_width") is not None:
+        return (f"Δ {_f(g['delta_pct'], 2, True)} % [{_f(g['ci_low_pct'], 2, True)}, {_f(g['ci_high_pct'], 2, True)}] "
+                f"(95 %, {g['paired_seeds']} paired seeds × questions; half-width {_f(g['half_width'], 2)})")
     return (f"Δ {_f(g['delta_pct'], 2, True)} % [{_f(g['ci_low_pct'], 2, True)}, {_f(g['ci_high_pct'], 2, True)}], "
             f"seed spread {_f(g['seed_spread_pct'], 2)} %")
 
@@ -99,6 +131,15 @@ def judge_m3(g: dict | None) -> tuple[str, str]:
     if g is None or g["ci_low_pct"] is None:
         return UNRESOLVED, "elsi:3 or eagle3 missing, or no bootstrap"
     txt = _gain_numbers(g)
+    if g.get("half_width") is not None:  # powered rules (5)
+        missed = _width_missed(g)
+        if missed:
+            return UNRESOLVED, txt + missed
+        if g["ci_high_pct"] < low:
+            return CONTRADICTED, txt + f": the paper's smallest gain, {low} %, lies above the interval"
+        if g["ci_low_pct"] > 0:
+            return SUPPORTED, txt + f": a gain above 0, {low} % inside the interval or below it"
+        return UNRESOLVED, txt
     if g["ci_low_pct"] > 0 and g["beyond_seed_spread"]:
         return SUPPORTED, txt
     spread = g["seed_spread_pct"]
@@ -112,6 +153,13 @@ def judge_m1(g: dict | None) -> tuple[str, str]:
     if g is None or g["ci_low_pct"] is None:
         return UNRESOLVED, "elsi:1 or eagle3 missing, or no bootstrap"
     txt = _gain_numbers(g)
+    if g.get("half_width") is not None:  # powered rules (5)
+        missed = _width_missed(g)
+        if missed:
+            return UNRESOLVED, txt + missed
+        if abs(g["delta_pct"]) < margin:
+            return SUPPORTED, txt + f" (|Δ| under {margin} %)"
+        return CONTRADICTED, txt + f" (|Δ| of {margin} % or more)"
     if -margin < g["ci_low_pct"] and g["ci_high_pct"] < margin:
         return SUPPORTED, txt + f" (inside ±{margin} %)"
     if (g["ci_low_pct"] > 0 or g["ci_high_pct"] < 0) and g["beyond_seed_spread"]:
@@ -131,6 +179,8 @@ def judge_where(g: dict | None) -> tuple[str, str]:
                     f"{_f(subs[s]['ci_high_pct'], 1, True)}]" for s in order)
     if set(order[:2]) == set(want) and all(subs[s]["ci_low_pct"] > 0 for s in want):
         return SUPPORTED, txt
+    if g.get("half_width") is not None and _width_missed(g) is None:  # powered rules (5): decided
+        return CONTRADICTED, txt
     others_above = [s for s in subs if s not in want
                     and all(subs[s]["ci_low_pct"] > subs[w]["ci_high_pct"] for w in want)]
     if all(subs[s]["ci_high_pct"] < 0 for s in want) or others_above:
@@ -178,7 +228,7 @@ def heldout_summary(study: dict) -> dict:
 
 def model_entry(study: dict, analysis: dict) -> dict:
     """One model's figures: CKA structure, gains (pooled and per condition), seed spread, Spearman ρ."""
-    pooled = study["conditions"][-1]
+    pooled = claims_condition(study)
     m3, m1 = gain(pooled, "elsi:3"), gain(pooled, "elsi:1")
     entry = {
         "model": study["model"], "num_layers": study["num_layers"], "cka": cka_structure(analysis),

@@ -62,6 +62,11 @@ class StudyConfig:
     warmup: int = like(BenchConfig, "warmup")
     bench_seed: int = like(BenchConfig, "seed", help_suffix=" (the same for every draft: paired comparisons)")
     bootstrap: int = opt(1000, "bootstrap resamples of the Spec-Bench questions for the intervals (0 = none)")
+    exact_questions_per_subtask: int = opt(80, "temperature 0: τ from the exact evaluator (the target's cached "
+                                               "greedy answers, no decoding loop: elsi.specbench.exact) on this "
+                                               "many questions per subtask (80 = all of Spec-Bench), for every "
+                                               "--tree-nodes, in place of live decoding; 0 = temperature 0 decoded "
+                                               "live on --questions-per-subtask like the other temperatures")
     vllm_sets: list[str] = opt([], "layer sets (as written in --sets) whose drafts vLLM serves too, every seed: "
                                    "chains of --vllm-spec-tokens at temperature 0 on the same questions, τ next to "
                                    "elsi's chain (needs vLLM's environment: make vllm; the target in float32)")
@@ -85,11 +90,27 @@ class StudyConfig:
             raise ValueError(f"--vllm-spec-tokens must be >= 1, got {self.vllm_spec_tokens}")
         if self.bootstrap < 0:
             raise ValueError(f"bootstrap must be >= 0, got {self.bootstrap}")
+        if not 0 <= self.exact_questions_per_subtask <= 80:
+            raise ValueError(f"--exact-questions-per-subtask must be in 0..80 (Spec-Bench has 80 per subtask), "
+                             f"got {self.exact_questions_per_subtask}")
         parse_duration(self.train_budget)
         bad = [s for s in self.subtasks if s != "all" and s not in SUBTASKS]
         if bad:
             raise ValueError(f"unknown Spec-Bench subtask(s) {bad}; known: {', '.join(SUBTASKS)} or all")
         self.bench_config("", baseline=True)  # validates the benchmark settings
+
+    @property
+    def live_temperatures(self) -> list[float]:
+        """The temperatures decoded live: all but 0 when the exact evaluator gives temperature 0."""
+        return [t for t in self.temperature if not (self.exact_questions_per_subtask and t == 0)]
+
+    def exact_settings(self) -> dict | None:
+        """plan.json's ``exact``: what the exact τ of a draft depends on (None: no exact step)."""
+        if not self.exact_questions_per_subtask:
+            return None
+        return {"questions_per_subtask": self.exact_questions_per_subtask, "max_new_tokens": self.max_new_tokens,
+                "tree_nodes": list(self.tree_nodes), "depth": self.depth, "top_k": self.top_k,
+                "subtasks": list(self.subtasks)}
 
     def bench_config(self, model: str, draft: str = "", baseline: bool = False) -> BenchConfig:
         """The benchmark of one draft (speculative decoding only) or, ``baseline``, of plain decoding
@@ -232,8 +253,10 @@ def plan_settings(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, sele
     train = {k: v for k, v in asdict(tcfg).items()
              if k not in ("layers", "out", "restart", "time_budget", "eval_every", "checkpoint_every", "train_compile")}
     bench = {k: v for k, v in asdict(cfg.bench_config(fcfg.model, baseline=True)).items()
-             if k not in ("model", "draft", "out", "hf_generate", "plain")}
+             if k not in ("model", "draft", "out", "hf_generate", "plain", "exact")}
     out = {"features": features, "train": {**train, "time_budget": cfg.train_budget}, "bench": bench}
+    if cfg.exact_settings() is not None:  # absent when off: the studies made before it still match
+        out["exact"] = cfg.exact_settings()
     if selector is None:
         return out
     return {"run": str(selector.cfg.run), **out, "select": selector.settings()}

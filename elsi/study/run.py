@@ -6,7 +6,9 @@ Step by step (STUDY_DIR layout in docs/INTERFACES.md):
    (``bench/baseline.json``; ``bench/baseline-<id>.json`` on each other machine the study goes on on, so that
    every draft's speed-up is against plain decoding timed where the draft was).
 3. Per set and each of its seeds (plan.json): train the draft (``drafts/<set>-s<seed>/``), then
-   benchmark it with speculative decoding only (``bench/<set>-s<seed>.json``).
+   benchmark it with speculative decoding only (``bench/<set>-s<seed>.json``) at the temperatures
+   decoded live, and (``--exact-questions-per-subtask``) its exact τ at temperature 0 on the target's
+   cached greedy answers for every tree size (``exact/<set>-s<seed>.json``; ``elsi.specbench.exact``).
 4. ``--vllm-sets``: vLLM serves those sets' drafts (every seed) as chains of ``--vllm-spec-tokens``
    at temperature 0, next to elsi's chain on the same questions (``vllm/<set>-s<seed>.json``; a file
    made with other settings is redone).
@@ -31,6 +33,7 @@ import torch
 from elsi.collect.store import RunError, read_json, write_json
 from elsi.data.conversations import Dataset
 from elsi.decode.drafters import load_drafter
+from elsi.decode.tree import TreeConfig
 from elsi.draft.features import MANIFEST as FEATURE_MANIFEST
 from elsi.draft.features import FeatureConfig, FeatureStore, build_features
 from elsi.draft.features import Progress as FeatureProgress
@@ -50,6 +53,7 @@ STUDY_JSON = "study.json"
 STUDY_MD = "study.md"
 FEATURES = "features"
 VLLM = "vllm"
+EXACT = "exact"
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Hooks:
     train: Callable[[TrainProgress], None] | None = None
     bench: Callable[[Answer, int, int], None] | None = None  # (last answer, questions done, total)
     vllm: Callable[[str, int, int], None] | None = None  # (run, e.g. "vllm_spec k=1", questions done, total)
+    exact: Callable[[str, int, int], None] | None = None  # (what, e.g. "exact τ", answer turns done, total)
 
 
 def draft_dir(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
@@ -168,7 +173,7 @@ def check_precision(study_dir: str | Path, plan: dict, feature_dtype: str | None
 def clear_study(study_dir: str | Path) -> None:
     """Remove what a study wrote (plan, drafts, benchmarks, results, report); the feature cache stays."""
     d = Path(study_dir)
-    for name in (DRAFTS, BENCH, VLLM, "report"):
+    for name in (DRAFTS, BENCH, VLLM, EXACT, "report"):
         if (d / name).is_dir():
             shutil.rmtree(d / name)
     for name in (PLAN, STUDY_JSON, STUDY_MD):
@@ -230,8 +235,12 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
     check_precision(study_dir, plan, feature_dtype, tcfg.train_dtype, device)
     sets, seeds = layer_sets(plan), plan_seeds(plan)
     served = plan.get("vllm", {}).get("sets", [])
-    n = 3 + sum((2 + (s.name in served)) * len(seeds[s.name]) for s in sets)
+    live = cfg.live_temperatures
+    exact = cfg.exact_settings()
+    n = 3 + sum((1 + bool(live) + bool(exact) + (s.name in served)) * len(seeds[s.name]) for s in sets)
     (study_dir / BENCH).mkdir(parents=True, exist_ok=True)
+    if exact:
+        (study_dir / EXACT).mkdir(exist_ok=True)
     if served:
         (study_dir / VLLM).mkdir(exist_ok=True)
 
@@ -243,13 +252,15 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
     # Step 2: the baseline (plain decoding and transformers generate), once per machine.
     here = machine_info()
     base_path = baseline_path(study_dir, here)
-    if _readable(base_path) is not None:
+    if not live:
+        say(2, n, "baseline: none (no temperature is decoded live, so nothing is timed)")
+    elif _readable(base_path) is not None:
         say(2, n, f"baseline: plain decoding and transformers generate (done: {base_path})")
     else:
         again = "" if base_path.name == BASELINE else (f", timed again on this machine ({machine_label(here)}) for "
                                                         f"the drafts benchmarked here ({base_path})")
         say(2, n, "baseline: plain decoding and transformers generate" + again)
-        res = run_bench(target, None, cfg.bench_config(fcfg.model, baseline=True), on_answer=hooks.bench)
+        res = run_bench(target, None, live_bench(cfg, fcfg.model, baseline=True), on_answer=hooks.bench)
         write_json(base_path, _bench_record(res, set=None, seed=None, draft=None))
 
     # Step 3: one draft per set and each of its seeds, then its benchmark.
@@ -268,16 +279,24 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
                 t = replace(tcfg, layers=",".join(map(str, s.layers)), out=str(out), time_budget=cfg.train_budget,
                             restart=False)
                 train_draft(target, store, t, seed, device, samples=fcfg.samples, on_progress=hooks.train)
-            path = bench_path(study_dir, s, seed)
-            i += 1
-            if _readable(path) is not None:
-                say(i, n, f"benchmarking {what} (done: {path})")
-            else:
-                say(i, n, f"benchmarking {what}")
-                drafter, info = load_drafter(str(out), target)
-                res = run_bench(target, drafter, cfg.bench_config(fcfg.model, draft=str(out)), on_answer=hooks.bench)
-                write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
-            benches[(s.name, seed)] = read_json(path)
+            rec = {"answers": []}
+            if live:
+                path = bench_path(study_dir, s, seed)
+                i += 1
+                if _readable(path) is not None:
+                    say(i, n, f"benchmarking {what} (done: {path})")
+                else:
+                    say(i, n, f"benchmarking {what}")
+                    drafter, info = load_drafter(str(out), target)
+                    res = run_bench(target, drafter, live_bench(cfg, fcfg.model, draft=str(out)),
+                                    on_answer=hooks.bench)
+                    write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
+                rec = read_json(path)
+            if exact:
+                i += 1
+                rec = {**rec, "answers": rec["answers"] + exact_answers(
+                    exact_step(target, str(out), s, seed, cfg, study_dir, lambda text: say(i, n, text), hooks))}
+            benches[(s.name, seed)] = rec
             trained[(s.name, seed)] = read_json(out / TRAINING)
 
     # Step 4: vLLM serves the --vllm-sets drafts (chains), next to elsi's chain on the same questions.
@@ -304,6 +323,49 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
     say(n, n, f"summary: {STUDY_JSON}, {STUDY_MD}")
     return write_summary(study_dir, plan, benches, [read_json(p) for p in baseline_paths(study_dir)], cfg.bootstrap,
                          command, vllm, trained)
+
+
+def live_bench(cfg: StudyConfig, model: str, draft: str = "", baseline: bool = False):
+    """The benchmark a draft (or, ``baseline``, plain decoding) gets at the temperatures decoded live."""
+    return replace(cfg.bench_config(model, draft=draft, baseline=baseline), temperature=cfg.live_temperatures)
+
+
+def exact_path(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
+    return Path(study_dir) / EXACT / f"{s.slug}-s{seed}.json"
+
+
+def exact_step(target: Target, draft_path: str, s: LayerSet, seed: int, cfg: StudyConfig, study_dir: Path,
+               say: Callable[[str], None], hooks: Hooks) -> dict:
+    """A draft's exact τ at temperature 0 (``exact/<set>-s<seed>.json``; one made with other settings is redone)."""
+    from elsi.specbench.answers import greedy_answers
+    from elsi.specbench.exact import exact_tau
+
+    path = exact_path(study_dir, s, seed)
+    want = cfg.exact_settings()
+    rec = _readable(path)
+    what = f"exact τ of {s.name} seed {seed} at temperature 0"
+    if rec is not None and rec.get("study_settings") == want:
+        say(f"{what} (done: {path})")
+        return rec
+    say(f"{what}: {want['questions_per_subtask']} questions per subtask, trees of {want['tree_nodes']} nodes")
+    answers = greedy_answers(target, want["subtasks"], want["questions_per_subtask"], want["max_new_tokens"],
+                             on_progress=hooks.exact and (lambda d, t: hooks.exact("target answers", d, t)))
+    drafter, info = load_drafter(draft_path, target)
+    trees = [TreeConfig(n, want["depth"], want["top_k"]) for n in want["tree_nodes"]]
+    res = exact_tau(target, drafter.draft, answers, trees, want["max_new_tokens"],
+                    on_progress=hooks.exact and (lambda d, t: hooks.exact("exact τ", d, t)))
+    rec = _bench_record(res, set=s.name, seed=seed, draft=info, study_settings=want)
+    write_json(path, rec)
+    return rec
+
+
+def exact_answers(rec: dict) -> list[dict]:
+    """An exact record's questions as the summary reads a benchmark's answers (method "spec", temperature 0,
+    ``exact`` true; no timing)."""
+    return [{"question_id": q["question_id"], "subtask": q["subtask"], "method": "spec", "temperature": 0.0,
+             "tree_nodes": t["tree"]["tree_nodes"], "new_tokens": q["accepted"], "time_s": 0.0, "steps": q["steps"],
+             "accepted": q["accepted"], "profile": {}, "exact": True}
+            for t in rec["trees"] for q in t["questions"]]
 
 
 def vllm_path(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
@@ -351,5 +413,6 @@ def load_study(study_dir: str | Path) -> dict:
 
 
 __all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "baseline_path", "baseline_paths",
-           "bench_path", "check_precision", "clear_study", "draft_dir", "draft_complete", "feature_config", "load_study",
+           "bench_path", "check_precision", "clear_study", "draft_dir", "draft_complete", "exact_path", "feature_config",
+           "load_study",
            "prepare_study", "run_study", "write_summary"]

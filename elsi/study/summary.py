@@ -103,12 +103,74 @@ def _mean(xs: list[float]) -> float | None:
 def condition_label(temperature: float | None, tree_nodes: int | None) -> str:
     if temperature is None:
         return "all conditions pooled"
+    if tree_nodes is None:
+        return f"T = {temperature:g}, every tree size pooled"
     return f"T = {temperature:g}, {tree_nodes} nodes"
 
 
 def _in_condition(a: dict, temperature, tree_nodes) -> bool:
-    return a["method"] == "spec" and (temperature is None or (a["temperature"] == temperature
-                                                              and a["tree_nodes"] == tree_nodes))
+    return a["method"] == "spec" and (temperature is None or (
+        a["temperature"] == temperature and (tree_nodes is None or a["tree_nodes"] == tree_nodes)))
+
+
+def condition_questions(drafts: list[list[dict]], temperature, tree_nodes) -> dict[int, str]:
+    """The questions of one condition (question id -> subtask, in first-seen order) over every draft's answers:
+    the exact τ covers more questions than the temperatures decoded live."""
+    out: dict[int, str] = {}
+    for answers in drafts:
+        for a in answers:
+            if _in_condition(a, temperature, tree_nodes):
+                out.setdefault(a["question_id"], a["subtask"])
+    return out
+
+
+# Half-width (percentage points) of the 95 % interval of Δ% that decides a claim (issue 30): the paper's smallest
+# reported gain, +1.6 %, is then either inside the interval or excluded by it.
+TARGET_HALF_WIDTH = 0.8
+
+
+def delta_pct_interval(stats: dict[tuple[str, int], dict], seeds: dict[str, list[int]], name: str, ref: str,
+                       weights: np.ndarray, seed: int = 0) -> dict:
+    """Δ% = 100 (τ_name / τ_ref - 1) with intervals that combine seed-to-seed and question sampling.
+
+    Paired seeds: seed s of both sets (same data order and initialisation where shapes allow). Hierarchical
+    bootstrap: each resample draws the paired seeds with replacement and the questions with replacement
+    (``weights`` (R, Q), the same question draws for both sets), τ = the mean over the drawn seeds of each
+    draft's pooled τ. Also a paired t-interval over the seeds' own Δ% (all questions), and, splitting the
+    variance of Δ% into a question part (the question bootstrap of the seed mean) and a seed part (the
+    seeds' Δ% variance / S), the seeds that would bring the half-width to ``TARGET_HALF_WIDTH``.
+    """
+    from scipy import stats as st
+
+    paired = [sd for sd in seeds[name] if sd in seeds[ref]]
+    out = {"paired_seeds": paired, "pct_ci_low": None, "pct_ci_high": None, "pct_half_width": None,
+           "t_ci_low": None, "t_ci_high": None, "question_sd": None, "seed_sd": None, "seeds_needed": None}
+    if not paired:
+        return out
+    a = np.stack([pooled_tau(weights, stats[(name, sd)]["accepted"], stats[(name, sd)]["steps"]) for sd in paired])
+    b = np.stack([pooled_tau(weights, stats[(ref, sd)]["accepted"], stats[(ref, sd)]["steps"]) for sd in paired])
+    n_s, n_r = a.shape  # (S, R)
+    pick = np.random.default_rng(seed + 1).integers(0, n_s, size=(n_r, n_s))  # (R, S) seeds drawn per resample
+    ta = np.take_along_axis(a.T, pick, axis=1).mean(1)  # (R,)
+    tb = np.take_along_axis(b.T, pick, axis=1).mean(1)
+    lo, hi = interval(100.0 * (ta / tb - 1.0))
+    out.update(pct_ci_low=lo, pct_ci_high=hi, pct_half_width=None if lo is None else (hi - lo) / 2)
+    per_seed = []
+    for sd in paired:
+        x, y = stats[(name, sd)], stats[(ref, sd)]
+        per_seed.append(100.0 * ((x["accepted"].sum() / x["steps"].sum()) / (y["accepted"].sum() / y["steps"].sum()) - 1))
+    q = 100.0 * (a.mean(0) / b.mean(0) - 1.0)  # (R,) questions resampled, every seed kept
+    q = q[np.isfinite(q)]
+    q_sd = float(np.std(q, ddof=1)) if q.size > 1 else None
+    out["question_sd"] = q_sd
+    if n_s > 1:
+        m, sd_s = float(np.mean(per_seed)), float(np.std(per_seed, ddof=1))
+        half = float(st.t.ppf(0.975, n_s - 1)) * sd_s / math.sqrt(n_s)
+        out.update(t_ci_low=m - half, t_ci_high=m + half, seed_sd=sd_s)
+        if q_sd is not None:
+            room = (TARGET_HALF_WIDTH / 1.96) ** 2 - q_sd ** 2  # variance left for the seed part
+            out["seeds_needed"] = (math.ceil(sd_s ** 2 / room) if room > 0 else None)
+    return out
 
 
 def draft_stats(answers: list[dict], qids: list[int], subtask_of: dict[int, str], temperature, tree_nodes,
@@ -218,6 +280,7 @@ def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: di
                          "delta_pct": r["delta_pct"][ref], "seed_spread": spread,
                          "beyond_seed_spread": None if spread is None else abs(delta) > spread,
                          "ci_low": g_lo, "ci_high": g_hi,
+                         **(delta_pct_interval(stats, seeds, r["name"], ref, weights) if weights is not None else {}),
                          "subtasks": subtask_gaps(r, b, stats, seeds, weights, subtasks or {})})
     return {"temperature": temperature, "tree_nodes": tree_nodes, "label": condition_label(temperature, tree_nodes),
             "sets": rows, "spearman": spear, "gaps": gaps}
@@ -234,11 +297,14 @@ def subtask_gaps(row: dict, ref: dict, stats: dict[tuple[str, int], dict], seeds
             out[sub] = {"delta": None, "delta_pct": None, "ci_low": None, "ci_high": None}
             continue
         lo = hi = None
+        pct = {}
         if weights is not None:
             w = weights * mask  # (R, Q): this subtask's questions only
             lo, hi = interval(seeds_tau(w, stats, seeds, row["name"]) - seeds_tau(w, stats, seeds, ref["name"]))
+            p = delta_pct_interval(stats, seeds, row["name"], ref["name"], w)
+            pct = {k: p[k] for k in ("pct_ci_low", "pct_ci_high", "pct_half_width")}
         out[sub] = {"delta": t - t_ref, "delta_pct": 100.0 * (t / t_ref - 1.0) if t_ref else None,
-                    "ci_low": lo, "ci_high": hi}
+                    "ci_low": lo, "ci_high": hi, **pct}
     return out
 
 
@@ -293,19 +359,30 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
     for b in baselines:
         timed.setdefault(timing_key(b.get("machine")),
                          (b.get("machine"), _by_question(b, "plain"), _by_question(b, "hf_generate")))
-    base = [a for a in baselines[0]["answers"] if a["method"] == "plain"]
-    subtask_of = {a["question_id"]: a["subtask"] for a in base}
-    qids = list(subtask_of)
-    weights = resample_weights(len(qids), bootstrap, seed) if bootstrap and qids else None
-    conditions = [(t, n) for t in bench["temperature"] for n in bench["tree_nodes"]] + [(None, None)]
-    masks = {sub: np.array([subtask_of[q] == sub for q in qids]) for sub in dict.fromkeys(subtask_of.values())}
+    base = [a for a in baselines[0]["answers"] if a["method"] == "plain"] if baselines else []
+    exact = plan["settings"].get("exact")  # temperature 0 from the exact evaluator (more questions)
+    conditions = [(t, n) for t in bench["temperature"] for n in bench["tree_nodes"]]
+    if exact and len(bench["tree_nodes"]) > 1:
+        conditions.append((0.0, None))  # the claims' condition: every tree size of the exact τ pooled
+    conditions.append((None, None))
     out = []
     drafts = [(s["name"], sd) for s in sets for sd in seeds[s["name"]]]
     where = {k: timing_key(benches[k].get("machine")) for k in drafts}
+    all_subtasks: dict[str, None] = {}
     for t, n in conditions:
+        subtask_of = condition_questions([benches[k]["answers"] for k in drafts], t, n)
+        if not exact:  # the baseline's questions, in its order (as every study before the exact τ)
+            subtask_of = {a["question_id"]: a["subtask"] for a in base} or subtask_of
+        qids = list(subtask_of)
+        all_subtasks.update(dict.fromkeys(subtask_of.values()))
+        weights = resample_weights(len(qids), bootstrap, seed) if bootstrap and qids else None
+        masks = {sub: np.array([subtask_of[q] == sub for q in qids]) for sub in dict.fromkeys(subtask_of.values())}
         stats = {k: draft_stats(benches[k]["answers"], qids, subtask_of, t, n, *timed.get(where[k], (None, {}, {}))[1:])
                  for k in drafts}
-        out.append(summarize_condition(sets, seeds, stats, weights, t, n, masks))
+        cond = summarize_condition(sets, seeds, stats, weights, t, n, masks)
+        cond["questions"] = len(qids)
+        cond["exact"] = bool(exact) and t == 0.0
+        out.append(cond)
     speeds = []
     for key, (machine, plain, hf) in timed.items():
         for t in bench["temperature"]:
@@ -317,8 +394,11 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
                if where[(name, sd)] not in timed]
     study = {
         "model": plan["model"], "run": plan["settings"]["run"], "num_layers": plan["num_layers"],
-        "sets": sets, "seeds": plan["seeds"], "subtasks": list(dict.fromkeys(subtask_of.values())),
-        "questions": len(qids), "bootstrap": {"resamples": bootstrap, "seed": seed, "unit": "Spec-Bench question"},
+        "sets": sets, "seeds": plan["seeds"], "subtasks": list(all_subtasks),
+        "questions": max((c["questions"] for c in out), default=0),
+        "bootstrap": {"resamples": bootstrap, "seed": seed, "unit": "Spec-Bench question",
+                      "seeds": "paired seeds, drawn with replacement with the questions (Δ% intervals)"},
+        "exact": exact,
         "settings": plan["settings"], "baseline": speeds, "without_baseline": untimed, "conditions": out,
         "vllm": vllm_rows(vllm or {}),
         "training": training_rows(sets, trained or {}),
@@ -366,13 +446,26 @@ def gap_sentence(g: dict) -> str:
         excl = g["ci_low"] > 0 or g["ci_high"] < 0
         txt += (f"; question-bootstrap 95% interval of the gap [{_f(g['ci_low'], 3, True)}, "
                 f"{_f(g['ci_high'], 3, True)}]{', which excludes 0' if excl else ''}")
+    if g.get("pct_ci_low") is not None:
+        met = g["pct_half_width"] <= TARGET_HALF_WIDTH
+        need = ("" if met or not g.get("seeds_needed") else f"; about {g['seeds_needed']} paired seeds would reach it")
+        txt += (f"; 95% interval of Δ% over {len(g['paired_seeds'])} paired seeds and the questions "
+                f"[{_f(g['pct_ci_low'], 2, True)}, {_f(g['pct_ci_high'], 2, True)}] (half-width "
+                f"{_f(g['pct_half_width'], 2)} points, target ≤ {TARGET_HALF_WIDTH}{need})")
     return txt + "."
 
 
+def claims_condition(study: dict) -> dict:
+    """The condition the paper's claims are judged on: temperature 0 with every tree size pooled where the exact
+    τ gives it (all of Spec-Bench), else every condition pooled (the studies before it)."""
+    return next((c for c in study["conditions"] if c.get("exact") and c["tree_nodes"] is None),
+                study["conditions"][-1])
+
+
 def verdict(study: dict) -> list[str]:
-    """Plain sentences on the pooled condition: the Spearman line, each selected set against each
-    default, and a count."""
-    pooled = study["conditions"][-1]
+    """Plain sentences on the claims' condition (``claims_condition``): the Spearman line, each selected set
+    against each default, and a count."""
+    pooled = claims_condition(study)
     sp = pooled["spearman"]
     out = []
     if sp["rho"] is not None:
