@@ -21,7 +21,7 @@ from elsi.cli import main
 from elsi.draft.model import DraftConfig, Eagle3Draft, random_draft
 from elsi.engines import ENGINES, count_problems, engine_feed, engine_problems, export_fragment, stale_eagle_config
 from elsi.engines.configs import upgrade_draft
-from elsi.engines.rules import EngineLoadError
+from elsi.engines.rules import CHECKED, EngineLoadError, dflash_default_ids, engine_reading
 
 
 def _config(layers, n, fc_norm=False) -> dict:
@@ -30,7 +30,8 @@ def _config(layers, n, fc_norm=False) -> dict:
                        vocab_size=100, draft_vocab_size=50, fc_norm=fc_norm).to_json()
 
 
-# (N, layer set) -> engines that cannot serve it as trained ("count": only its layer count; "state": wrong states)
+# (N, layer set) -> engines that cannot serve it as trained ("count": only its layer count; "state": wrong states);
+# "vllm" stands for both of vLLM's runners
 CASES = [
     (30, (2, 15, 27), {}),
     (30, (5, 18, 27), {}),
@@ -55,7 +56,7 @@ def test_every_engine_feeds_the_states_the_draft_was_trained_on(n, layers, expec
             fed = engine_feed(engine, cfg, n)
         except EngineLoadError:
             fed = None
-        kind = expected.get(engine)
+        kind = expected.get("vllm" if engine == "vllm-v1" else engine)
         if kind is None:
             assert fed == tuple(layers), engine
             assert engine not in problems and engine not in counts
@@ -70,15 +71,70 @@ def test_every_engine_feeds_the_states_the_draft_was_trained_on(n, layers, expec
 def test_engine_rules_match_the_engines_defaults_and_shifts():
     n = 30
     # no ids anywhere: vLLM and SGLang capture EAGLE-3's default (2, N//2, N-3); SpecForge's [1, N//2-1, N-4] + 1
-    assert engine_feed("vllm", {}, n) == engine_feed("sglang", {}, n) == engine_feed("specforge", {}, n) == (2, 15, 27)
+    assert {engine_feed(e, {}, n) for e in CHECKED} == {(2, 15, 27)}
     # SGLang/SpecForge read only eagle_config, and add one
     cfg = {"eagle_aux_hidden_state_layer_ids": [9, 9, 9], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
     assert engine_feed("sglang", cfg, n) == engine_feed("specforge", cfg, n) == (2, 15, 27)
     assert engine_feed("vllm", {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}, n) == (2, 15, 27)
-    # vLLM falls back to eagle_config's list *unshifted*: a config with only that list is one layer shallow there
-    assert engine_feed("vllm", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}, n) == (1, 14, 26)
+    # a config with only eagle_config's list (SpecForge's): vLLM's V1 runner reads it *unshifted*, one layer shallow;
+    # its runner V2 (the GPU default) does not read it at all and captures its default layers
+    only = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [4, 17, 25]}}
+    assert engine_feed("vllm-v1", only, n) == (4, 17, 25)
+    assert engine_reading("vllm", only, n).default and engine_feed("vllm", only, n) == (2, 15, 27)
     with pytest.raises(EngineLoadError, match="exactly three"):
         engine_feed("specforge", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14]}}, n)
+    # SGLang on DeepSeek-V2/V3 and GLM-4.7-Flash targets adds one only when the first id is 1 (sglang#25454)
+    assert engine_feed("sglang", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}, n,
+                       "deepseek_v3") == (2, 15, 27)
+    assert engine_feed("sglang", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}}, n,
+                       "glm4_moe_lite") == (2, 15, 27)
+    assert engine_problems((4, 12, 14), n, family="deepseek_v3").keys() == {"sglang"}
+    # a speculators checkpoint: vLLM reads the top-level ids and builds fc for 3 states, whatever the list holds
+    spec = {"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": [3, 9, 15, 27],
+            "transformer_layer_config": {"num_hidden_layers": 1}}
+    assert engine_reading("speculators", spec, n).slots == 3
+    with pytest.raises(EngineLoadError, match="4 state"):
+        engine_feed("speculators", spec, n)
+    assert engine_reading("speculators", {**spec, "eagle_aux_hidden_state_layer_ids": None}, n).default
+
+
+# DFlash-style readers, from their code (elsi.engines.rules): vLLM's runners add 1 to dflash_config.target_layer_ids
+# and size fc from the list; SGLang adds 1 (set_dflash_layers_to_capture); SpecForge reads hidden_states[j + 1]
+# in the listed order; the default is DFlash's build_target_layer_ids(N, draft layers) + 1
+DFLASH_CASES = [
+    (36, {"dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33]}}, (2, 10, 18, 26, 34), {}),
+    (30, {"target_layer_ids": [4, 11, 17, 21, 28]}, (5, 12, 18, 22, 29), {"vllm-v1": "default"}),
+    (30, {"dflash_config": {"target_layer_ids": [20, 4, 11]}}, (5, 12, 21), {"specforge": (21, 5, 12)}),
+    (30, {"dflash_config": {"mask_token_id": 0}, "num_hidden_layers": 5}, (2, 9, 15, 21, 28),
+     {"vllm": "default", "vllm-v1": "default"}),
+]
+
+
+@pytest.mark.parametrize("n,cfg,expected,other", DFLASH_CASES)
+def test_dflash_readers(n, cfg, expected, other):
+    for engine in ENGINES:
+        r = engine_reading(engine, cfg, n)
+        want = other.get(engine, expected)
+        if want == "default":  # the reader finds no id: vLLM captures EAGLE-3's default layers
+            assert r.default and r.fed == (2, n // 2, n - 3), engine
+        else:
+            assert r.fed == want, engine
+            assert r.default == ("mask_token_id" in str(cfg)), engine  # case 4 has no ids: DFlash's own default
+
+
+@pytest.mark.parametrize("layers", [(2, 10, 18, 26, 34), (5, 12, 18, 22, 29), (3, 15)])
+def test_export_dflash_fragment_is_read_as_the_layers_by_every_reader(layers):
+    n = 36
+    frag = export_fragment(layers, n, "dflash")
+    assert frag["dflash_config"]["target_layer_ids"] == [i - 1 for i in layers] and "id - 1" in frag["_elsi_note"]
+    for engine in ENGINES:
+        assert engine_feed(engine, frag, n) == tuple(layers), engine
+
+
+def test_dflash_default_rule_is_dflash_s():
+    assert dflash_default_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-4B
+    assert dflash_default_ids(30, 5) == (1, 8, 14, 20, 27)
+    assert dflash_default_ids(30, 1) == (15,)
 
 
 def test_config_carries_both_numberings_and_old_configs_are_detected_and_upgraded(tmp_path, tiny_target):
@@ -219,6 +275,75 @@ def test_export_cli_checks_before_writing(tmp_path, capsys):
     assert "--draft DIR and --out" in capsys.readouterr().err
     assert main(["export"]) == 2
     assert "nothing to export" in capsys.readouterr().err
+    assert main(["export", "--layers", "2,15,27", "--format", "vllm"]) == 2  # no default model to check the ids on
+    assert "--layers IDS alone names no target: pass --model" in capsys.readouterr().err
+
+
+def _run_with_choice(tiny_run, dst, chosen, extra=()):
+    """A copy of the 8-layer tiny run whose selections.json chose ``chosen`` (ELSI), with ``extra`` results."""
+    import shutil
+
+    shutil.copytree(tiny_run, dst)
+    res = [{"method": "elsi", "m": len(ids), "layers": list(ids)} for ids in (chosen, *extra)]
+    (dst / "selections.json").write_text(json.dumps({"results": res, "chosen": res[0]}))
+    return dst
+
+
+def _model_dir(path, num_layers):
+    from conftest import make_tiny_target
+
+    t = make_tiny_target(num_layers=num_layers)
+    t.model.save_pretrained(path)
+    t.tokenizer.save_pretrained(path)
+    return path
+
+
+def test_export_takes_the_model_the_run_records(tiny_run, tmp_path, capsys):
+    """The issue's case: a run of a shallow model exported without --model was checked against the default
+    SmolLM2 (N = 30), accepted the run's final layer h_N and named the wrong model in its note."""
+    run = _run_with_choice(tiny_run, tmp_path / "run", (3, 5, 8))  # h_8 = h_N of the run's 8-layer model
+    assert main(["export", "--layers", "chosen", "--run", str(run), "--format", "sglang"]) == 2
+    assert "[8] cannot be exported for N = 8" in capsys.readouterr().err
+    run2 = _run_with_choice(tiny_run, tmp_path / "run2", (2, 4, 6))
+    assert main(["export", "--layers", "chosen", "--run", str(run2), "--format", "sglang"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert "of tiny with N = 8" in out.err and f"the run ({run2})" in out.err
+    # a --model that contradicts the run is an error naming both
+    other = _model_dir(tmp_path / "four", 4)
+    assert main(["export", "--layers", "chosen", "--run", str(run2), "--format", "vllm", "--model", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {other} (N = 4, hidden 32) contradicts the run {run2}, which records tiny (N = 8" in err
+
+
+def test_export_takes_the_target_the_draft_records(tmp_path, tiny_target, capsys):
+    draft = random_draft(tiny_target, [2, 4, 6], draft_vocab=40)
+    draft.save_pretrained(tmp_path / "d")
+    assert main(["export", "--draft", str(tmp_path / "d"), "--format", "sglang"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert "with N = 8" in out.err and "the draft (" in out.err
+    other = _model_dir(tmp_path / "four", 4)
+    assert main(["export", "--draft", str(tmp_path / "d"), "--format", "vllm", "--model", str(other)]) == 2
+    assert "contradicts the draft" in capsys.readouterr().err
+    # a speculators checkpoint names its verifier: a draft without a recorded model needs --model (or a default that
+    # matches its recorded N, hidden size and vocabulary, which the tiny target's is not)
+    assert main(["export", "--draft", str(tmp_path / "d"), "--format", "speculators", "--out", str(tmp_path / "s")]) == 2
+    assert "records no target model" in capsys.readouterr().err
+
+
+def test_export_dflash_takes_the_runs_five_layer_selection(tiny_run, tmp_path, capsys):
+    run = _run_with_choice(tiny_run, tmp_path / "run", (2, 4, 6), extra=[(1, 2, 4, 6, 7)])
+    assert main(["export", "--layers", "chosen", "--run", str(run), "--format", "dflash"]) == 0
+    out = capsys.readouterr()
+    frag = json.loads(out.out)
+    assert frag["dflash_config"] == {"target_layer_ids": [0, 1, 3, 5, 6]} and "DFlash numbering" in out.err
+    assert all(engine_feed(e, frag, 8) == (1, 2, 4, 6, 7) for e in ENGINES)
+    run2 = _run_with_choice(tiny_run, tmp_path / "run2", (2, 4, 6))
+    assert main(["export", "--layers", "chosen", "--run", str(run2), "--format", "dflash"]) == 2
+    assert "--method elsi --m 5` first" in capsys.readouterr().err
+    assert main(["export", "--layers", "chosen", "--run", str(run2), "--format", "dflash", "--m", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["dflash_config"]["target_layer_ids"] == [1, 3, 5]
 
 
 def test_bench_engine_vllm_without_its_environment_fails_before_any_model_loads(tmp_path, monkeypatch, capsys):

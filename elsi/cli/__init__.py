@@ -18,8 +18,8 @@ from elsi.cli.common import Command, build_configs, writing
 from elsi.config import add_dataclass_args
 
 # Modules defining ``COMMANDS: list[Command]``, in pipeline order.
-COMMAND_MODULES = ("elsi.cli.analyze", "elsi.cli.select", "elsi.cli.engines", "elsi.cli.draft", "elsi.cli.decode",
-                   "elsi.cli.study", "elsi.cli.report")
+COMMAND_MODULES = ("elsi.cli.analyze", "elsi.cli.select", "elsi.cli.engines", "elsi.cli.check", "elsi.cli.draft",
+                   "elsi.cli.decode", "elsi.cli.study", "elsi.cli.report")
 
 
 def commands() -> list[Command]:

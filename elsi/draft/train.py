@@ -37,6 +37,7 @@ import re
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -476,6 +477,17 @@ class Progress:
     heldout_acc: float | None = None
     note: str = ""
     step_loss: float = math.nan  # weighted TTT loss of this step's (global) batch
+    total_steps: int = 0  # steps at which training stops unless the time budget ends it first (0: not known yet)
+
+
+def stop_rule(cfg: TrainConfig, total_steps: int, budget: float) -> str:
+    """What ends training, in words: the step count (--max-steps or --epochs) or the time budget, whichever
+    comes first (a progress bar over the budget's seconds alone reads 0/1200s while --max-steps ends the run)."""
+    by = "--max-steps" if cfg.max_steps and cfg.max_steps == total_steps else f"{cfg.epochs:g} epochs"
+    steps = f"{total_steps} steps ({by})"
+    if math.isinf(budget):
+        return f"training ends after {steps}"
+    return f"training ends after {steps} or {cfg.time_budget} of training, whichever comes first"
 
 
 class _TTTLoss(torch.nn.Module):
@@ -639,6 +651,11 @@ def _train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: in
 
     # Step 1: split and vocabulary (both deterministic functions of the data and seed).
     train_idx, held_idx = split_samples(n, cfg.heldout, seed)
+    if len(held_idx) == 1 and rank == 0:
+        held_tokens = sum(store.samples[i]["length"] for i in held_idx)
+        warnings.warn(f"the held-out split is one conversation ({held_tokens} tokens: {n} conversations x --heldout "
+                      f"{cfg.heldout}, rounded up): every held-out figure rests on it alone; raise --samples or "
+                      "--heldout for a held-out set that measures something", stacklevel=2)
     max_tokens = store.manifest["settings"].get("max_tokens")
     for what, idx in (("training", train_idx), ("held-out", held_idx)):
         if scored_positions(store, idx, cfg.loss_on) == 0:
@@ -733,6 +750,9 @@ def _train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: in
     if cfg.train_compile and on_progress and rank == 0:
         on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan, math.nan,
                              0.0, note="compiling the draft's training step (in the first step)"))
+    if on_progress and rank == 0:
+        on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan, math.nan,
+                             0.0, note=stop_rule(cfg, total_steps, budget), total_steps=total_steps))
     t_start = time.perf_counter() - state["elapsed"]
     last_eval = last_ck = state["elapsed"]
     recent: list[tuple[float, int, int]] = []

@@ -3,6 +3,8 @@
 - ``rules``: each engine's rule for which target hidden states it feeds a draft (from their code);
 - ``configs``: the engine-facing keys elsi writes into a draft's ``config.json``, the per-engine
   checks of a layer set, config fragments (``elsi export --layers``), drafts written by other tools;
+- ``check``: ``elsi check-draft``: what each engine feeds any EAGLE-3 or DFlash-style draft, and the
+  teacher-forced acceptance that tells which feeding the draft was trained for;
 - ``speculators``: the speculators (vLLM) checkpoint format (``elsi export --format speculators``);
 - ``vllm``: Spec-Bench through vLLM's offline API in its own virtual environment (``elsi bench
   --engine vllm``; ``vllm_worker`` is the script that runs there, and ``vllm_models`` the target classes
@@ -21,9 +23,10 @@ from elsi.engines.configs import (
     stale_eagle_config,
     warn_engines,
 )
-from elsi.engines.rules import ENGINES, EngineLoadError, engine_feed
+from elsi.engines.rules import CHECKED, ENGINES, EngineLoadError, engine_feed, engine_reading
 
 __all__ = [
+    "CHECKED",
     "ENGINES",
     "FORMATS",
     "EngineLoadError",
@@ -31,6 +34,7 @@ __all__ = [
     "check_for_engine",
     "count_problems",
     "engine_feed",
+    "engine_reading",
     "engine_keys",
     "engine_problems",
     "export_fragment",

@@ -18,9 +18,11 @@ from elsi.select.search import (
     baseline,
     beam_search,
     check_m,
+    eagle3_unavailable,
     elsi_c_candidates,
     exhaustive_search,
     parse_pool,
+    swap_search,
 )
 from elsi.stats.analysis import AGGREGATES, ANALYSIS, GramRun
 
@@ -41,7 +43,12 @@ class SelectConfig:
     aggregate: str = opt("block-entropy", "entropy summary used for scoring", choices=AGGREGATES)
     search_blocks: int = opt(4, "exhaustive search: blocks per sample in its subsample (0 = all blocks)")
     rescore: int = opt(32, "exhaustive search: best and worst sets rescored on all blocks")
-    seed: int = opt(0, "seed of the exhaustive search's block subsample")
+    seed: int = opt(0, "seed of the exhaustive search's block subsample (and of its sample of sets)")
+    max_sets: int = opt(30000, "exhaustive search and ranks: above this many sets of size m, score a uniform sample of "
+                               "this many (ranks then estimated, with a 95 % interval; the optimum is the best set "
+                               "found); 0 = every set (m = 5 of N = 30: 139,503)")
+    rank: bool = opt(False, "also rank the selection among all sets of its size, with its gap to the optimum (runs "
+                            "the exhaustive search; --method all and exhaustive always do)")
     json: bool = opt(False, "print JSON")
     out: str = opt("", "also write the JSON to this file")
 
@@ -52,6 +59,8 @@ class SelectConfig:
             raise ValueError(f"beam must be >= 1, got {self.beam}")
         if self.q < 0:
             raise ValueError(f"q must be >= 0, got {self.q}")
+        if self.max_sets < 0:
+            raise ValueError(f"max_sets must be >= 0, got {self.max_sets}")
 
 
 def preload(scorer: SetScorer, run_dir: Path, aggregate: str) -> None:
@@ -83,14 +92,14 @@ class Selector:
         self.boundaries = read_json(analysis)["boundaries"] if analysis.exists() else []
 
     def settings(self) -> dict:
-        return {k: v for k, v in asdict(self.cfg).items() if k not in ("json", "out", "run", "method", "m")}
+        return {k: v for k, v in asdict(self.cfg).items() if k not in ("json", "out", "run", "method", "m", "rank")}
 
     def exhaustive(self, m: int):
         if m not in self.exhaustive_cache:
             c = self.cfg
             self.exhaustive_cache[m] = exhaustive_search(
-                self.run, self.pool, m, c.require_late, c.aggregate, c.search_blocks, c.rescore, c.seed, self.scorer
-            )
+                self.run, self.pool, m, c.require_late, c.aggregate, c.search_blocks, c.rescore, c.seed, self.scorer,
+                c.max_sets)
         return self.exhaustive_cache[m]
 
     def select(self, method: str, m: int, with_optimum: bool = False) -> Selection:
@@ -102,7 +111,12 @@ class Selector:
             layers = tuple(sorted(baseline(method, self.run.num_layers, m, self.pool)))
             self.run.check(layers)
         elif method == "exhaustive":
-            layers = self.exhaustive(m).best
+            ex = self.exhaustive(m)
+            layers = ex.best
+            if ex.sampled:  # not every set was scored: polish the best sampled set and ELSI's by swaps
+                for start in (ex.best, beam_search(self.scorer, self.pool, m, c.beam, c.require_late)[0]):
+                    ex.offer(*swap_search(self.scorer, self.pool, start, c.require_late))
+                layers = ex.best
         else:
             check_m(m, self.pool)
             cand = None
@@ -117,8 +131,13 @@ class Selector:
                         settings={**self.settings(), "pool": list(self.pool)})
         if with_optimum or method == "exhaustive":
             ex = self.exhaustive(len(layers))
+            ex.offer(layers, entropy)
             sel.rank, sel.rank_exact = ex.rank(layers, entropy)
             sel.optimum = {"layers": list(ex.best), "entropy": ex.best_entropy, "num_sets": ex.num_sets}
+            if ex.sampled:
+                est, lo, hi = ex.rank_interval(layers)
+                sel.rank_interval = (lo, hi)
+                sel.optimum["sampled"] = ex.sampled  # the best of the sampled sets and the searches' sets so far
             sel.gap = ex.best_entropy - entropy
         sel.elapsed_s = time.perf_counter() - t0
         return sel
@@ -131,9 +150,19 @@ def all_steps(selector: Selector, ms: tuple[int, ...] = (1, 2, 3)) -> list[tuple
     """(method, m) pairs of ``--method all``: every method for each m, then the fixed baselines."""
     steps = [(method, m) for m in ms if m <= len(selector.pool) for method in ALL_METHODS]
     steps.append(("eagle2", 1))
-    if selector.run.num_layers >= 7:  # below, [2, N//2, N-3] collides
+    if not eagle3_unavailable(selector.run.num_layers):
         steps.append(("eagle3", 3))
     return steps
+
+
+def skipped_steps(selector: Selector, ms: tuple[int, ...] = (1, 2, 3)) -> list[dict]:
+    """What ``--method all`` leaves out, each with why (shown by ``elsi select`` and kept in selections.json)."""
+    out = [{"method": method, "m": m, "why": f"m = {m} exceeds the pool's {len(selector.pool)} layers"}
+           for m in ms if m > len(selector.pool) for method in ALL_METHODS]
+    why = eagle3_unavailable(selector.run.num_layers)
+    if why:
+        out.append({"method": "eagle3", "m": 3, "why": why})
+    return out
 
 
 def select_all(selector: Selector, ms: tuple[int, ...] = (1, 2, 3), on_step=None) -> list[Selection]:
@@ -146,9 +175,11 @@ def select_all(selector: Selector, ms: tuple[int, ...] = (1, 2, 3), on_step=None
     return out
 
 
-def save_selections(run_dir: str | Path, results: list[Selection], chosen: Selection | None) -> Path:
-    """Merge results into RUN_DIR/selections.json (one per method and m; newest wins). Two selections at once
-    merge in turn (the second waits for the first: ``lock``), so that neither's results are lost."""
+def save_selections(run_dir: str | Path, results: list[Selection], chosen: Selection | None,
+                    skipped: list[dict] | None = None) -> Path:
+    """Merge results into RUN_DIR/selections.json (one per method and m; newest wins); ``skipped``: what
+    ``--method all`` left out and why (replaces the previous list). Two selections at once merge in turn (the
+    second waits for the first: ``lock``), so that neither's results are lost."""
     path = Path(run_dir) / SELECTIONS
     with lock(path, "the selections file", wait=True):
         data = read_json(path) if path.exists() else {"results": [], "chosen": None}
@@ -156,21 +187,32 @@ def save_selections(run_dir: str | Path, results: list[Selection], chosen: Selec
         for r in results:
             keep[(r.method, r.m)] = r.to_json()
         data["results"] = sorted(keep.values(), key=lambda r: (r["m"], r["method"]))
+        if skipped is not None:
+            data["skipped"] = skipped
         if chosen is not None:
             data["chosen"] = {"method": chosen.method, "m": chosen.m, "layers": list(chosen.layers)}
         write_json(path, data)
     return path
 
 
-def chosen_layers(run_dir: str | Path) -> Set:
-    """The layers `elsi select` chose last for this run."""
+def chosen_layers(run_dir: str | Path, m: int = 0) -> Set:
+    """The layers `elsi select` chose last for this run; with ``m`` (> 0) another size than the chosen one, the
+    same method's selection of m layers."""
     path = Path(run_dir) / SELECTIONS
     if not path.exists():
-        raise ValueError(f"{run_dir} has no {SELECTIONS}; run `elsi select --run {run_dir}` first")
-    chosen = read_json(path).get("chosen")
+        raise ValueError(f"{run_dir} has no {SELECTIONS}; run `elsi select --run {run_dir}"
+                         f"{f' --m {m}' if m else ''}` first")
+    data = read_json(path)
+    chosen = data.get("chosen")
     if not chosen:
         raise ValueError(f"{path} records no chosen selection")
-    return tuple(chosen["layers"])
+    if not m or m == chosen["m"]:
+        return tuple(chosen["layers"])
+    same = next((r for r in data.get("results", []) if r["method"] == chosen["method"] and r["m"] == m), None)
+    if same is None:
+        raise ValueError(f"{path} has no {chosen['method']} selection of {m} layers (the chosen one has "
+                         f"{chosen['m']}): run `elsi select --run {run_dir} --method {chosen['method']} --m {m}` first")
+    return tuple(same["layers"])
 
 
-__all__ = ["SELECTIONS", "SelectConfig", "Selector", "chosen_layers", "save_selections", "select_all"]
+__all__ = ["SELECTIONS", "SelectConfig", "Selector", "chosen_layers", "save_selections", "select_all", "skipped_steps"]

@@ -6,12 +6,15 @@
 - exhaustive: every set of size m (on a per-sample block subsample, the best sets then
   rescored on all blocks).
 - low-entropy: ELSI minimising entropy (a negative control).
-- baselines: eagle2 = {N}; eagle3 = {2, N//2, N-3}; uniform = m evenly spaced ending at the last pool id.
+- baselines: eagle2 = {N}; eagle3 = {2, N//2, N-3}; uniform = m evenly spaced ending at the last pool id;
+  dflash = DFlash's evenly spaced rule (``build_target_layer_ids``: m ids from 1 to N-3 in its numbering,
+  + 1 in elsi's), the usual choice of multi-layer drafts (DFlash, DSpark, Domino).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +22,7 @@ import torch
 from elsi.stats.analysis import GramRun, parse_layers
 
 SEARCH_METHODS = ("elsi", "elsi-c", "exhaustive", "low-entropy")
-BASELINES = ("eagle2", "eagle3", "uniform")
+BASELINES = ("eagle2", "eagle3", "uniform", "dflash")
 METHODS = (*SEARCH_METHODS, *BASELINES)
 
 Set = tuple[int, ...]  # sorted layer ids
@@ -68,6 +71,7 @@ class Selection:
     gap: float | None = None
     elapsed_s: float = 0.0
     settings: dict = field(default_factory=dict)
+    rank_interval: tuple[int, int] | None = None  # sampled search: 95 % interval of the estimated rank
 
     def to_json(self) -> dict:
         return {
@@ -83,6 +87,7 @@ class Selection:
             "beams": self.beams,
             "elapsed_s": round(self.elapsed_s, 3),
             "settings": self.settings,
+            **({"rank_interval": list(self.rank_interval)} if self.rank_interval else {}),
         }
 
 
@@ -150,6 +155,25 @@ def beam_search(
     return current[0][0], beams
 
 
+def swap_search(scorer: SetScorer, pool: Set, start: Set, require_late: bool = True) -> tuple[Set, float]:
+    """Hill climbing from ``start``: replace one layer by one pool layer outside the set while that raises the
+    entropy (the best swap each round). A local optimum: the sampled exhaustive search polishes its best with it."""
+    n = scorer.run.num_layers
+    best = tuple(sorted(start))
+    value = scorer.score([best])[0]
+    while True:
+        out = [l for l in pool if l not in best]
+        cands = [tuple(sorted((*[x for x in best if x != a], b))) for a in best for b in out]
+        cands = [c for c in dict.fromkeys(cands) if not require_late or any(is_late(l, n) for l in c)]
+        if not cands:
+            return best, value
+        vals = scorer.score(cands)
+        i = max(range(len(cands)), key=lambda k: (vals[k], [-x for x in cands[k]]))
+        if vals[i] <= value:
+            return best, value
+        best, value = cands[i], vals[i]
+
+
 def _beam_json(depth: int, current: list, scorer: SetScorer) -> dict:
     sets = []
     for s, parent, allowed in current:
@@ -192,26 +216,40 @@ def block_subsample(run: GramRun, per_sample: int, seed: int = 0) -> torch.Tenso
     return None if sub.numel() == run.num_blocks else sub
 
 
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion hits/n (95 % for z = 1.96)."""
+    p = hits / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
 @dataclass
 class Exhaustive:
-    """Every set of size m, ranked by entropy."""
+    """Every set of size m (or, above ``max_sets``, a uniform sample of them), ranked by entropy."""
 
     best: Set
     best_entropy: float  # exact (all blocks)
     worst: Set
     worst_entropy: float
     exact: dict[Set, float]  # sets scored on all blocks (all of them without a subsample)
-    approx: dict[Set, float]  # every set on the subsample (the same dict without one)
+    approx: dict[Set, float]  # every scored set on the subsample (the same dict without one)
     top: list[Set]  # rescored best sets, best first
     bottom: list[Set]  # rescored worst sets, worst first
-    num_sets: int
+    num_sets: int  # sets of size m in the pool (all of them, sampled or not)
+    sampled: int = 0  # > 0: only this many sets, drawn uniformly, were scored; ranks are estimates
+    scorer: SetScorer | None = None  # the subsample's scorer (sampled mode: scores the sets to rank)
 
     def rank(self, s: Set, value: float) -> tuple[int, bool]:
         """(1 + number of sets with higher entropy, whether that rank is exact).
 
         Exact without a subsample, and for sets among the rescored best/worst (whose
-        neighbours in the ranking were rescored too); otherwise from the subsample.
+        neighbours in the ranking were rescored too); otherwise from the subsample. Sampled:
+        ``rank_interval``'s estimate, never exact.
         """
+        if self.sampled:
+            return self.rank_interval(s)[0], False
         if self.approx is self.exact:
             return 1 + sum(v > value for v in self.exact.values()), True
         if s in self.top:
@@ -220,6 +258,22 @@ class Exhaustive:
             return self.num_sets - sum(self.exact[b] < value for b in self.bottom), True
         key = self.approx[s]
         return 1 + sum(v > key for v in self.approx.values()), False
+
+    def rank_interval(self, s: Set) -> tuple[int, int, int]:
+        """Sampled mode: (estimate, low, high) of the rank of ``s`` among all ``num_sets`` sets, from the share of
+        the sampled sets above it on the subsample (Wilson 95 % interval of that share)."""
+        if not self.sampled:
+            raise ValueError("rank_interval is for a sampled search")
+        key = self.approx[s] if s in self.approx else self.scorer.score([s])[0]
+        above = sum(v > key for v in list(self.approx.values())[: self.sampled])
+        lo, hi = wilson(above, self.sampled)
+        return (1 + round(above / self.sampled * self.num_sets), 1 + math.floor(lo * self.num_sets),
+                1 + math.ceil(hi * self.num_sets))
+
+    def offer(self, s: Set, value: float) -> None:
+        """Sampled mode: a set found by a search (exact ``value``) becomes the best found when it beats it."""
+        if self.sampled and value > self.best_entropy:
+            self.best, self.best_entropy = tuple(s), value
 
 
 def exhaustive_search(
@@ -232,28 +286,42 @@ def exhaustive_search(
     rescore: int = 32,
     seed: int = 0,
     exact_scorer: SetScorer | None = None,
+    max_sets: int = 0,
 ) -> Exhaustive:
     """All sets of size m. With ``per_sample`` > 0 they are ranked on a block subsample,
-    then the ``rescore`` best and worst are recomputed on all blocks and ranked exactly."""
+    then the ``rescore`` best and worst are recomputed on all blocks and ranked exactly.
+
+    ``max_sets`` > 0 and more sets than that: only ``max_sets`` sets drawn uniformly (seeded) are scored, so
+    the best is the best found (``Exhaustive.offer`` adds the searches' sets) and ranks are estimates with an
+    interval (``Exhaustive.rank_interval``): m = 5 of N = 30 has 139,503 sets with a late layer."""
     check_m(m, pool)
     n = run.num_layers
     sets = [s for s in itertools.combinations(pool, m) if not require_late or any(is_late(l, n) for l in s)]
     if not sets:
         raise ValueError(f"no set of size {m} in pool {list(pool)} has a layer in the second half")
+    total = len(sets)
+    sampled = max_sets if 0 < max_sets < total else 0
+    if sampled:
+        pick = torch.randperm(total, generator=torch.Generator().manual_seed(seed + 7))[:sampled]
+        sets = [sets[i] for i in pick.tolist()]
     exact_scorer = exact_scorer or SetScorer(run, aggregate)
     blocks = block_subsample(run, per_sample, seed) if aggregate == "block-entropy" else None
+    sub = None
     if blocks is None or all(s in exact_scorer.cache for s in sets):  # exact values at hand: no subsample
         exact = approx = dict(zip(sets, exact_scorer.score(sets)))
         ranked = sorted(sets, key=lambda s: (-exact[s], s))
         top, bottom = ranked, ranked[::-1]
+        sub = exact_scorer
     else:
-        approx = dict(zip(sets, SetScorer(run, aggregate, blocks).score(sets)))
+        sub = SetScorer(run, aggregate, blocks)
+        approx = dict(zip(sets, sub.score(sets)))
         ranked = sorted(sets, key=lambda s: (-approx[s], s))
         pick = list(dict.fromkeys(ranked[:rescore] + ranked[-rescore:]))
         exact = dict(zip(pick, exact_scorer.score(pick)))
         top = sorted(ranked[:rescore], key=lambda s: (-exact[s], s))
         bottom = sorted(ranked[-rescore:], key=lambda s: (exact[s], s))
-    return Exhaustive(top[0], exact[top[0]], bottom[0], exact[bottom[0]], exact, approx, top, bottom, len(sets))
+    return Exhaustive(top[0], exact[top[0]], bottom[0], exact[bottom[0]], exact, approx, top, bottom, total,
+                      sampled, sub)
 
 
 def baseline(method: str, num_layers: int, m: int, pool: Set) -> Set:
@@ -262,15 +330,36 @@ def baseline(method: str, num_layers: int, m: int, pool: Set) -> Set:
     if method == "eagle2":
         return (n,)
     if method == "eagle3":
-        ids = (2, n // 2, n - 3)
-        if len(set(ids)) < 3 or min(ids) < 1:
-            raise ValueError(f"eagle3 = [2, N//2, N-3] = {list(ids)} collides or leaves 1..N for N = {n}; pick layers with --layers")
+        why = eagle3_unavailable(n)
+        if why:
+            raise ValueError(f"{why}; choose a set with --method elsi or exhaustive (or give ids to train-draft "
+                             "--layers / export --layers yourself)")
+        return (2, n // 2, n - 3)
+    if method == "dflash":
+        from elsi.engines.rules import dflash_default_ids
+
+        check_m(m, pool)
+        if n < 5 and m > 1:
+            raise ValueError(f"DFlash's rule spaces ids from 1 to N-3, empty for N = {n}")
+        ids = tuple(sorted({j + 1 for j in dflash_default_ids(n, m)}))
+        if len(ids) < m:
+            raise ValueError(f"DFlash's rule gives {m} ids from 1 to N-3 = {n - 3} that collide for N = {n}: "
+                             f"{list(ids)}")
         return ids
     if method == "uniform":
         check_m(m, pool)
         p = sorted(pool)
         return tuple(sorted({p[round((i + 1) * len(p) / m) - 1] for i in range(m)}))
     raise ValueError(f"unknown baseline {method!r}; known: {BASELINES}")
+
+
+def eagle3_unavailable(num_layers: int) -> str:
+    """Why EAGLE-3's fixed set [2, N//2, N-3] does not exist for this N ("" where it does: N >= 7)."""
+    n = num_layers
+    ids = (2, n // 2, n - 3)
+    if len(set(ids)) < 3 or min(ids) < 1:
+        return f"eagle3 = [2, N//2, N-3] = {list(ids)} repeats or leaves the ids 1..N for N = {n} (it needs N >= 7)"
+    return ""
 
 
 def parse_pool(text: str, num_layers: int) -> Set:
