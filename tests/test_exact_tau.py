@@ -157,3 +157,37 @@ def test_replayed_trees_equal_build_tree(tiny_target):
                 node_of = {c: n for n, c in enumerate(idx.tolist())}
                 assert [node_of.get(p, -1) for p in cand.parent[b, idx].tolist()] == live.parents.tolist()
                 torch.testing.assert_close(cand.scores[b, idx], live.scores, rtol=1e-4, atol=1e-4)
+
+
+def test_answers_cache_checks_settings_and_serves_subsets(tiny_target, tmp_path, monkeypatch):
+    """The answers are made once per settings; a file made with other settings is refused naming the
+    difference; fewer questions per subtask are read from a cached superset without generating."""
+    import elsi.specbench.answers as answers
+    from elsi.collect.store import write_json
+
+    monkeypatch.setenv("ELSI_CACHE", str(tmp_path))
+    made = []
+    real = answers._answer_all
+    monkeypatch.setattr(answers, "_answer_all", lambda *a, **k: made.append(a[2]) or real(*a, **k))
+    big = answers.greedy_answers(tiny_target, ["qa", "rag"], 3, 4)
+    assert made == [3] and len(big) == 6 and all(1 <= len(a["answer"]) <= 4 for a in big)
+    assert answers.greedy_answers(tiny_target, ["qa", "rag"], 3, 4) == big and made == [3]  # cached
+    small = answers.greedy_answers(tiny_target, ["qa", "rag"], 2, 4)
+    assert made == [3] and small == [a for a in big if a["question_id"] in {r["question_id"] for r in small}]
+    assert len(small) == 4
+    other = tmp_path / "other.json"
+    write_json(other, {"settings": {**answers.answers_settings(tiny_target, ["qa", "rag"], 3, 4), "max_new_tokens": 9},
+                       "answers": big})
+    with pytest.raises(ValueError, match="max_new_tokens: 9 in the file, 4 asked"):
+        answers.greedy_answers(tiny_target, ["qa", "rag"], 3, 4, path=other)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        answers.greedy_answers(tiny_target, ["qa", "rag"], 3, 4, path=tmp_path / "missing.json")
+
+
+def test_exact_tau_refuses_answers_of_another_model(tiny_target):
+    from elsi.specbench.exact import exact_tau
+
+    draft = random_draft(tiny_target, [1, 4], seed=0).eval()
+    bad = [{"question_id": 1, "subtask": "qa", "turn": 0, "prompt": [1, 2, 3], "answer": [5, 10**6]}]
+    with pytest.raises(ValueError, match="beyond the draft's target vocabulary"):
+        exact_tau(tiny_target, draft, bad, TREES, 8)

@@ -36,7 +36,7 @@ class EvalConfig:
     questions: int = opt(10, "questions per subtask (80: all of Spec-Bench)")
     max_new: int = opt(128, "most tokens the target writes per answer (per turn)")
     depth: int = opt(0, "unroll depth of the teacher-forced match rates (0 = the draft's training ttt)")
-    gen_batch: int = opt(8, "questions answered together")
+    gen_batch: int = opt(16, "questions answered together")
     answers: str = opt("", "the target's answers file (default: the cache entry of these settings under "
                            "$ELSI_CACHE/spec_bench_answers, made when missing)")
     out: str = opt("", "also write the results JSON here")

@@ -62,7 +62,7 @@ def check_answers(rec: dict, settings: dict, path: Path | str) -> list[dict]:
 
 @torch.inference_mode()
 def greedy_answers(target: Target, subtasks: Sequence[str] = ("all",), per_subtask: int = 80,
-                   max_new_tokens: int = 128, batch: int = 8, path: str | Path | None = None,
+                   max_new_tokens: int = 128, batch: int = 16, path: str | Path | None = None,
                    on_progress: Callable[[int, int], None] | None = None) -> list[dict]:
     """Per question turn: ``{"question_id", "subtask", "turn", "prompt", "answer"}`` (token ids; the answer
     ends with its stop token when it has one). Read from ``path`` (default: the cache file of these settings)
@@ -86,9 +86,28 @@ def greedy_answers(target: Target, subtasks: Sequence[str] = ("all",), per_subta
                 return check_answers(read_json(path), settings, path)
             except RunError:
                 pass  # damaged: made again
-        out = _answer_all(target, settings, per_subtask, max_new_tokens, batch, on_progress)
+        out = _from_superset(settings)
+        if out is None:
+            out = _answer_all(target, settings, per_subtask, max_new_tokens, batch, on_progress)
         write_json(path, {"settings": settings, "answers": out})
     return out
+
+
+def _from_superset(settings: dict) -> list[dict] | None:
+    """The answers of ``settings`` taken from a cached file of more questions per subtask, all else equal (a
+    question's answer does not depend on which others were asked), or None when there is none."""
+    want = {q.question_id for q in load_questions(settings["subtasks"], settings["questions_per_subtask"])}
+    for n in range(80, settings["questions_per_subtask"], -1):
+        path = answers_path({**settings, "questions_per_subtask": n})
+        if not path.is_file():
+            continue
+        try:
+            rec = read_json(path)
+        except RunError:
+            continue
+        if rec.get("settings") == {**settings, "questions_per_subtask": n}:
+            return [a for a in rec["answers"] if a["question_id"] in want]
+    return None
 
 
 def _answer_all(target: Target, settings: dict, per_subtask: int, max_new_tokens: int, batch: int,
@@ -103,12 +122,14 @@ def _answer_all(target: Target, settings: dict, per_subtask: int, max_new_tokens
     total = sum(len(q.turns) for q in qs)
     for turn in range(max(len(q.turns) for q in qs)):
         live = [q for q in qs if turn < len(q.turns)]
+        prompt_of = {}
+        for q in live:
+            convs[q.question_id].append(("user", q.turns[turn]))
+            prompt_of[q.question_id] = encode_chat(tok, convs[q.question_id])
+        live.sort(key=lambda q: len(prompt_of[q.question_id]))  # batches of like lengths: little padding
         for a in range(0, len(live), batch):
             part = live[a: a + batch]
-            prompts = []
-            for q in part:
-                convs[q.question_id].append(("user", q.turns[turn]))
-                prompts.append(encode_chat(tok, convs[q.question_id]))
+            prompts = [prompt_of[q.question_id] for q in part]
             for q, p, ans in zip(part, prompts, _generate(model, prompts, eos, pad, max_new_tokens)):
                 out.append({"question_id": q.question_id, "subtask": q.subtask, "turn": turn, "prompt": p,
                             "answer": ans})

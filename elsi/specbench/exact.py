@@ -1,7 +1,7 @@
 """Exact τ at temperature 0 on Spec-Bench, from the target's cached greedy answers (no decoding loop).
 
 For every answer turn: one target forward over prompt + answer gives the states at the draft's
-layers (``elsi.draft.features.target_features``); ``elsi.decode.replay.replay_answer`` gives the
+layers; ``elsi.decode.replay.replay_answer`` gives the
 accepted length the engine would have at every root position, for each tree shape. Reported as
 live decoding counts it (walk each answer from its first token, jumping by each step's accepted
 length: the steps decoding takes), pooled per subtask and over all with Spec-Bench's rule (accepted
@@ -24,7 +24,7 @@ import torch
 from elsi.config import like, opt
 from elsi.decode.replay import check_tree, replay_answer
 from elsi.decode.tree import TreeConfig
-from elsi.draft.features import target_features
+from elsi.draft.features import greedy_tokens
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,10 @@ def exact_tau(target, draft, answers: list[dict], trees: Sequence[TreeConfig], m
         seq = list(a["prompt"]) + list(a["answer"])
         P = len(a["prompt"])
         if len(a["answer"]) >= 1:
-            argmax, _, states = target_features(target, [seq], layers)[0]  # (L,), _, (L, m, d)
-            flips += int((argmax[P - 1: len(seq) - 1] != torch.tensor(seq[P:])).sum())
+            argmax, feats = _answer_states(target, seq, P, layers)  # (A,), (L, m·d)
+            flips += int((argmax.cpu() != torch.tensor(seq[P:])).sum())
             tokens += len(a["answer"])
-            reps = replay_answer(draft, states.flatten(1), seq, P, trees, max_new_tokens)
+            reps = replay_answer(draft, feats, seq, P, trees, max_new_tokens)
         else:
             reps = []
         for c, rep in zip(counts, reps):
@@ -116,6 +116,16 @@ def exact_tau(target, draft, answers: list[dict], trees: Sequence[TreeConfig], m
                     "overall": _pool(per_q), "subtasks": subs, "questions": per_q})
     return {"trees": out, "greedy_flips": flips, "answer_tokens": tokens, "answer_turns": len(answers),
             "seconds": time.perf_counter() - t0}
+
+
+def _answer_states(target, seq: list[int], prompt_len: int, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over prompt + answer -> (the target's greedy token after each of the positions
+    P-1 .. L-2 (A,), its states at ``layers`` concatenated (L, m·d) in its own dtype, as the engine hands them)."""
+    ids = torch.tensor([seq], device=target.device)  # (1, L)
+    hs = target.adapter.decoder(target.model)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    feats = torch.cat([hs[l][0] for l in layers], dim=-1)  # (L, m·d)
+    argmax = greedy_tokens(hs[-1][0, prompt_len - 1: len(seq) - 1], target.model.get_output_embeddings())  # (A,)
+    return argmax, feats
 
 
 def _pool(rows: list[dict]) -> dict:
