@@ -83,7 +83,8 @@ def check_draft(cfg: CheckDraftConfig, rt: Runtime) -> int:
     check_fits(facts, n, d, model or "the recorded target")
     static = static_check(facts, n, d, family)
     m = static["m"]
-    report = {"draft": str(facts.path), "format": facts.kind, "model": model or None, "num_layers": n,
+    report = {"command": _command(cfg), "draft": str(facts.path), "format": facts.kind, "model": model or None,
+              "num_layers": n,
               "hidden_size": d, "family": family or None, **static, "empirical": None,
               "settings": {k: v for k, v in asdict(cfg).items() if k not in ("json", "out")}}
     empirical = None
@@ -114,6 +115,20 @@ def check_draft(cfg: CheckDraftConfig, rt: Runtime) -> int:
     else:
         _print(report)
     return 0 if result == "pass" else 1
+
+
+def _command(cfg: CheckDraftConfig) -> str:
+    """The command line of these settings (the options that differ from their defaults)."""
+    from dataclasses import fields
+
+    parts = ["elsi check-draft"]
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name in ("json", "out") or v == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        parts.append(flag if v is True else f"--no-{flag[2:]}" if v is False else f"{flag} {v}")
+    return " ".join(parts)
 
 
 def _ids(v) -> str:
