@@ -117,8 +117,8 @@ def smollm2_draft(tmp_path_factory):
         from elsi.cli import main
 
         path = str(tmp_path_factory.mktemp("draft") / "d")
-        rc = main(["train-draft", "--layers", "2,15,27", "--samples", "160", "--max-tokens", "512",
-                   "--max-steps", "250", "--draft-vocab", "8192", "--out", path,
+        rc = main(["train-draft", "--layers", "2,15,27", "--samples", "240", "--max-tokens", "512",
+                   "--max-steps", "400", "--time-budget", "0", "--out", path,
                    "--features-dir", str(tmp_path_factory.mktemp("feats")), "--threads", "2"])
         assert rc == 0
     draft = Eagle3Draft.from_pretrained(path, target.adapter.embed_tokens(target.model), target.num_layers).eval()

@@ -23,7 +23,7 @@ from elsi.report import build_report
 from elsi.study import PLAN, Hooks, StudyConfig, make_plan, prepare_study, run_study
 from elsi.study.plan import layer_sets, plan_seeds, require_same_settings
 from elsi.study.run import check_precision, draft_complete, draft_dir
-from elsi.study.summary import condition_table, spearman_line
+from elsi.study.summary import claims_condition, condition_table, spearman_line
 
 
 class _Bars:
@@ -70,12 +70,15 @@ class _Bars:
         self.bar.set_postfix_str(f"step {p.step} loss {p.loss:.3f} acc {p.acc:.3f}{h} "
                                  f"{p.tokens / max(p.elapsed_s, 1e-9):.0f} tok/s", refresh=True)
 
-    def vllm(self, what: str, done: int, total: int) -> None:
+    def vllm(self, what: str, done: int, total: int, unit: str = "question") -> None:
         if self.bar is None or self.bar.desc != what:
             self.close()
-            self.bar = tqdm(total=total, desc=what, unit="question", file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=total, desc=what, unit=unit, file=sys.stderr, dynamic_ncols=True)
         self.bar.n = done
         self.bar.refresh()
+
+    def exact(self, what: str, done: int, total: int) -> None:
+        self.vllm(what, done, total, unit="turn")  # the target's answers, then the exact τ, per answer turn
 
     def bench(self, a, done: int, total: int) -> None:
         if self.bar is None:
@@ -133,11 +136,11 @@ def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime)
     try:
         res = run_study(target, dataset, plan, cfg, fcfg, tcfg, device,
                         Hooks(step=bars.step, features=bars.features, train=bars.train, bench=bars.bench,
-                              vllm=bars.vllm), command,
+                              vllm=bars.vllm, exact=bars.exact), command,
                         features_target, str(feature_dtype).removeprefix("torch."))
     finally:
         bars.close()
-    pooled = res["conditions"][-1]
+    pooled = claims_condition(res)  # temperature 0 pooled where the exact τ gives it, else every condition
     print(f"{pooled['label']}:")
     header, rows = condition_table(pooled, res["subtasks"])
     print(table(rows, header))

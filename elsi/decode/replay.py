@@ -107,19 +107,20 @@ def replay_answer(draft, features: torch.Tensor, tokens: Sequence[int], prompt_l
     remaining = (L - 1 - roots)  # (A-1,) answer tokens after each root
     # The engine's depth cap: max_new_tokens - len(new) - 1, len(new) = r - P + 1 at root r.
     cap = max_new_tokens - (roots - P + 1) - 1  # (A-1,)
-    results = {id(t): torch.zeros(A - 1, dtype=torch.long) for t in trees}
-    groups: dict[tuple[int, int], list[TreeConfig]] = {}
-    for t in trees:
-        groups.setdefault((t.depth, t.top_k), []).append(t)
+    results = torch.zeros(len(trees), A - 1, dtype=torch.long)  # (trees, A-1)
+    groups: dict[tuple[int, int], list[int]] = {}  # (depth, top_k) -> indices of the trees that share expansions
+    for i, t in enumerate(trees):
+        groups.setdefault((t.depth, t.top_k), []).append(i)
     for a in range(0, A - 1, chunk):
         sl = slice(a, min(A - 1, a + chunk))
-        for (depth, top_k), shapes in groups.items():
+        for (depth, top_k), members in groups.items():
             # Steps 2-3: the candidates of build_tree for these roots.
             cand = _candidates(draft, cache, root_logits[sl], root_hidden[sl], roots[sl], depth, top_k)
-            for t in shapes:
+            for i in members:
+                t = trees[i]
                 acc = _accept(cand, t.tree_nodes, torch.clamp(cap[sl], max=t.depth), ahead[sl, : t.depth])
-                results[id(t)][sl] = torch.minimum(acc, remaining[sl]).cpu()
-    return [Replay(t, results[id(t)].tolist()) for t in trees]
+                results[i, sl] = torch.minimum(acc, remaining[sl]).cpu()  # Step 4, cut at the answer's end
+    return [Replay(t, results[i].tolist()) for i, t in enumerate(trees)]
 
 
 def teacher_forced(draft, features: torch.Tensor, ids: torch.Tensor, prompt_len: int):

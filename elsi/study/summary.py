@@ -559,7 +559,9 @@ def study_markdown(study: dict) -> str:
                   "Held-out: the draft's top-1 agreement with the target's next token on conversations held out "
                   "from training (the split depends on the seed: drafts of one seed share it).", ""]
     for cond in study["conditions"]:
-        parts += [f"## τ, {cond['label']}", "", md_table(*condition_table(cond, study["subtasks"])), "",
+        how = (f" ({cond['questions']} questions, {'exact τ: no decoding loop' if cond.get('exact') else 'decoded'})"
+               if "questions" in cond else "")
+        parts += [f"## τ, {cond['label']}{how}", "", md_table(*condition_table(cond, study["subtasks"])), "",
                   spearman_line(cond), ""]
     if study.get("vllm"):
         parts += ["## vLLM serving the same drafts (chains, T = 0)", "",
