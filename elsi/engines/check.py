@@ -212,12 +212,15 @@ class Flag:
 def _key_flags(obj: dict, kind: str) -> list[Flag]:
     """Keys whose meaning or default differs between engines (cited in ``elsi.engines.rules``)."""
     out = []
-    if "norm_output" in obj:
-        out.append(Flag("warning", f"norm_output is {obj['norm_output']}: vLLM and SGLang read it as 'feed the draft "
-                        "its normed output at depth >= 2' (default false); SpecForge gave the key another meaning "
-                        "before sgl-project/SpecForge#879 (2026-09), so a SpecForge draft trained earlier may "
-                        "expect the other state; elsi's engine feeds the pre-norm state (norm_output false); the "
-                        "depth-1 check below does not depend on it"))
+    if obj.get("norm_output"):
+        out.append(Flag("warning", "norm_output is true: vLLM and SGLang feed the draft its normed output at depth >= 2 "
+                        "(default false); elsi's engine feeds the pre-norm state, so only the depth-1 check below, "
+                        "which does not depend on it, applies"))
+    if "norm_output" in obj and kind == "eagle3":
+        out.append(Flag("warning", f"norm_output is {obj['norm_output']} in a SpecForge-style config: SpecForge gave "
+                        "the key another meaning before sgl-project/SpecForge#879 (2026-09; its false normalised "
+                        "neither the LM head's input nor the next state), so a draft it trained earlier may expect "
+                        "other states than vLLM and SGLang give it"))
     if kind == "speculators" and "norm_before_residual" not in obj:
         out.append(Flag("warning", "norm_before_residual is absent: vLLM reads a speculators config's absence as "
                         "true (algos.py update_eagle3), an EAGLE-3 config's as false (llama_eagle3.py); elsi and "
@@ -245,7 +248,12 @@ def static_check(facts: DraftFacts, num_layers: int, hidden: int, family: str = 
     claimed = facts.claimed
     flags: list[Flag] = []
     engines = {}
+    if facts.kind == "speculators":
+        flags.append(Flag("note", "a speculators checkpoint is vLLM's format (layers.0.*, transformer_layer_config): "
+                          "SGLang and SpecForge serve or train the EAGLE-3 checkpoint it was converted from"))
     for e in CHECKED:
+        if facts.kind == "speculators" and e not in ("vllm", "vllm-v1"):
+            continue  # read by vLLM alone (its speculators column is the vllm one)
         if facts.kind == "dflash" and e == "speculators" and not is_speculators(obj):
             continue  # a DFlash draft's speculators form is another algorithm (dflash): not an EAGLE-3 conversion
         try:
