@@ -143,12 +143,18 @@ def bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime) -> int:
     print(file=sys.stderr)
     from elsi.collect.collector import package_versions
 
+    return _report({"draft": info, "versions": package_versions(), **res}, summary_rows, cfg.out)
+
+
+def _report(res: dict, rows, out: str) -> int:
+    """Print a benchmark's table (``rows(res)`` -> header, rows) and write its JSON, with the command and the
+    machine, to ``out`` (when given)."""
     res = {"command": "elsi bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "elsi bench",
-           "draft": info, "versions": package_versions(), "machine": machine_info(), **res}
-    header, rows = summary_rows(res)
-    print(table(rows, header))
-    if cfg.out:
-        path = Path(cfg.out)
+           "machine": machine_info(), **res}
+    header, body = rows(res)
+    print(table(body, header))
+    if out:
+        path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1))
         print(f"wrote {path}")
@@ -170,16 +176,7 @@ def exact_bench(cfg: BenchConfig, target, draft, info: dict) -> int:
     print(file=sys.stderr)
     from dataclasses import asdict
 
-    res = {"command": "elsi bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "elsi bench",
-           "draft": info, "settings": asdict(cfg), "machine": machine_info(), **res}
-    header, rows = exact_rows(res)
-    print(table(rows, header))
-    if cfg.out:
-        path = Path(cfg.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=1))
-        print(f"wrote {path}")
-    return 0
+    return _report({"draft": info, "settings": asdict(cfg), **res}, exact_rows, cfg.out)
 
 
 COMMANDS = [

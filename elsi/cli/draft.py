@@ -51,17 +51,22 @@ def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
               f"{store.path}", file=sys.stderr)
 
     budget = parse_duration(tcfg.time_budget)
-    tbar = tqdm(total=None if budget == float("inf") else int(budget), desc="train", unit="s", file=sys.stderr,
-                dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt}s [{postfix}]", disable=not main)
+    # the bar counts what ends training: optimizer steps under --max-steps (or with no time budget), else seconds
+    by_steps = bool(tcfg.max_steps) or budget == float("inf")
+    unit = "step" if by_steps else "s"
+    tbar = tqdm(total=(tcfg.max_steps or None) if by_steps else int(budget), desc="train", unit=unit, file=sys.stderr,
+                dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} " + unit + " [{postfix}]",
+                disable=not main)
     held = [None]
 
     def show(p: Progress) -> None:
-        if p.note:
-            tbar.write(p.note, file=sys.stderr)
+        if p.note or p.info:
+            tbar.write(p.note or p.info, file=sys.stderr)
             return
         if p.heldout_acc is not None:
             held[0] = p.heldout_acc
-        tbar.n = min(p.elapsed_s, tbar.total or p.elapsed_s)
+        done = p.step if by_steps else p.elapsed_s
+        tbar.n = min(done, tbar.total or done)
         h = f" held {held[0]:.3f}" if held[0] is not None else ""
         tbar.set_postfix_str(f"step {p.step} ep {p.epoch:.2f} loss {p.loss:.3f} acc {p.acc:.3f}{h} "
                              f"lr {p.lr:.1e} {p.tokens / max(p.elapsed_s, 1e-9):.0f} tok/s", refresh=False)

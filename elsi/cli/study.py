@@ -59,8 +59,8 @@ class _Bars:
             unit = "step" if self.by_steps else "s"
             self.bar = tqdm(total=self.train_total, desc="train", unit=unit, file=sys.stderr, dynamic_ncols=True,
                             bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} " + unit + " [{postfix}]")
-        if p.note:
-            self.bar.write(p.note, file=sys.stderr)
+        if p.note or p.info:
+            self.bar.write(p.note or p.info, file=sys.stderr)
             return
         if p.heldout_acc is not None:
             self.held = p.heldout_acc

@@ -478,6 +478,7 @@ class Progress:
     note: str = ""
     step_loss: float = math.nan  # weighted TTT loss of this step's (global) batch
     total_steps: int = 0  # steps at which training stops unless the time budget ends it first (0: not known yet)
+    info: str = ""  # a line for the user (what ends training), not an event: callbacks that only track steps skip it
 
 
 def stop_rule(cfg: TrainConfig, total_steps: int, budget: float) -> str:
@@ -750,9 +751,9 @@ def _train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: in
     if cfg.train_compile and on_progress and rank == 0:
         on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan, math.nan,
                              0.0, note="compiling the draft's training step (in the first step)"))
-    if on_progress and rank == 0:
+    if on_progress and rank == 0 and state["step"] == 0:  # a fresh start (a resumed run says so in its note)
         on_progress(Progress(state["step"], state["epoch"], state["elapsed"], state["tokens"], math.nan, math.nan,
-                             0.0, note=stop_rule(cfg, total_steps, budget), total_steps=total_steps))
+                             0.0, info=stop_rule(cfg, total_steps, budget), total_steps=total_steps))
     t_start = time.perf_counter() - state["elapsed"]
     last_eval = last_ck = state["elapsed"]
     recent: list[tuple[float, int, int]] = []
