@@ -29,7 +29,8 @@ seeds of any set):
    below); contradicted: the reverse; otherwise not resolvable.
 5. Studies with the exact τ (issue 30) are judged on temperature 0, every tree size pooled, all of
    Spec-Bench, with the 95 % interval of Δ% from a hierarchical bootstrap over paired seeds and questions
-   (``summary.delta_pct_interval``); written before their runs, from the width a pilot of two seeds gave.
+   (``summary.delta_pct_interval``); written before any powered run (the pilot of two seeds,
+   bench/results/study3-pilot-smollm2-135m, then measured a half-width of 0.35 points on 120 questions).
    If the interval's half-width exceeds ±0.8 points (``TARGET_HALF_WIDTH``), every claim on that model is
    not resolvable, with the width and the seeds that would reach it. Otherwise:
    m3_gain: contradicted when the interval lies below +1.6 %; supported when it lies above 0 and reaches
