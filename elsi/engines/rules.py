@@ -208,14 +208,21 @@ def speculators_reading(config: dict, num_layers: int, family: str = "") -> Read
     return Reading(_vllm_order(ids, num_layers), src, int(layer.get("num_aux_hidden_states") or 3))
 
 
+def _dflash_list(config: dict, num_layers: int) -> tuple[list, str | None]:
+    """A DFlash config's layer list and the key it came from; without one, the default both SGLang and SpecForge
+    build (``build_target_layer_ids(N, draft layers)``) and None."""
+    lst, key = dflash_ids(config)
+    if lst:
+        return list(lst), key
+    return list(dflash_default_ids(num_layers, _draft_layers(config))), None
+
+
 def sglang_reading(config: dict, num_layers: int, family: str = "") -> Reading:
     """SGLang 0.5; ``family``: the target's HF ``model_type`` (DeepSeek/GLM targets have their own shift)."""
     if is_dflash(config):
-        lst, key = dflash_ids(config)
-        src = f"{key} + 1"
-        if not lst:
-            lst = list(dflash_default_ids(num_layers, _draft_layers(config)))
-            src = "default build_target_layer_ids(N, draft layers) + 1: the config has no target_layer_ids"
+        lst, key = _dflash_list(config, num_layers)
+        src = (f"{key} + 1" if key else
+               "default build_target_layer_ids(N, draft layers) + 1: the config has no target_layer_ids")
         captured = sorted({int(j) + 1 for j in lst if 0 <= int(j) + 1 < num_layers})
         return Reading(tuple(captured), src, len(lst))
     lst = eagle_config_ids(config)
@@ -235,11 +242,8 @@ def sglang_reading(config: dict, num_layers: int, family: str = "") -> Reading:
 def specforge_reading(config: dict, num_layers: int, family: str = "") -> Reading:
     """SpecForge 0.2: what it trains a draft with this config on."""
     if is_dflash(config):
-        lst, key = dflash_ids(config)
-        src = f"{key} + 1, in the listed order"
-        if not lst:
-            lst = list(dflash_default_ids(num_layers, _draft_layers(config)))
-            src = "default build_target_layer_ids(N, draft layers) + 1"
+        lst, key = _dflash_list(config, num_layers)
+        src = f"{key} + 1, in the listed order" if key else "default build_target_layer_ids(N, draft layers) + 1"
         return Reading(tuple(int(j) + 1 for j in lst), src, len(lst))
     lst = eagle_config_ids(config)
     src = "eagle_config.eagle_aux_hidden_state_layer_ids + 1"

@@ -47,14 +47,6 @@ class ExactConfig:
         return [TreeConfig(n, self.tree_depth, self.top_k) for n in self.tree_nodes]
 
 
-def check_offline(temperatures: Sequence[float]) -> None:
-    """The exact evaluator is for temperature 0 only: a ValueError naming any other temperature."""
-    bad = [t for t in temperatures if t != 0]
-    if bad:
-        raise ValueError(f"the exact (offline) τ exists at temperature 0 only, got temperature {bad}: sampled "
-                         "acceptance is random and needs live decoding (leave --exact off for T > 0)")
-
-
 def check_answers_fit(draft, answers: list[dict]) -> None:
     """ValueError when an answer holds a token beyond the draft's target vocabulary (answers of another model)."""
     n_vocab = int(draft.t2d.numel())
