@@ -123,11 +123,11 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
 
-    from elsi.cli.common import table
+    from elsi.text import md_table
 
     header, rows = summary_rows(res)
     print(f"draft: {info['kind']}")
-    print(table(rows, header))
+    print(md_table(header, rows))
     print("target forward, ms by tokens: " + ", ".join(f"{k}: {v:.1f}" for k, v in curve.items()))
     for r in res["runs"]:
         o = r["overall"]

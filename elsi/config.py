@@ -2,6 +2,10 @@
 
 A field declared with ``opt(default, "help", ...)`` becomes ``--field-name`` on the
 commands that use its dataclass; the help text and default are written once, here.
+A field declared with ``affects_result=False`` (where output goes, how often to checkpoint,
+whether to compile) is left out of the settings a saved result is matched against
+(``result_free``, ``result_settings``); one declared with ``added=VALUE`` came after results
+were saved, and a saved record without it was made with VALUE (``added_settings``).
 """
 
 from __future__ import annotations
@@ -12,19 +16,58 @@ import typing
 from typing import Any
 
 
-def opt(default: Any = dataclasses.MISSING, help: str = "", **meta) -> Any:
-    """A dataclass field with CLI metadata (``choices``, ``nargs``, ``flag``, ``positional``)."""
+def opt(default: Any = dataclasses.MISSING, help: str = "", affects_result: bool = True,
+        added: Any = dataclasses.MISSING, **meta) -> Any:
+    """A dataclass field with CLI metadata (``choices``, ``nargs``, ``flag``, ``positional``).
+
+    ``affects_result=False``: the option does not change what a run computes (an output path, a
+    checkpoint interval, compilation), so ``result_settings`` leaves it out of the settings a saved
+    result must match. ``added``: the value every record saved before the option existed was made with.
+    """
+    if not affects_result:
+        meta["affects_result"] = False
+    if added is not dataclasses.MISSING:
+        meta["added"] = added
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda d=default: list(d), metadata={"help": help, **meta})
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
 def like(cls: type, name: str, default: Any = dataclasses.MISSING, help_suffix: str = "") -> Any:
-    """A field declared like ``cls.name``: the same help, and the same default unless ``default`` is given."""
+    """A field declared like ``cls.name``: the same help and marks (``affects_result``, ``added``), and the same
+    default unless ``default`` is given."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     if default is dataclasses.MISSING:
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
     return opt(default, f.metadata["help"] + help_suffix, **{k: v for k, v in f.metadata.items() if k != "help"})
+
+
+def at_least(cfg: Any, **bounds: float) -> None:
+    """Validate fields of a config against lower bounds, in the order given: ValueError naming the first field
+    below its bound, ``"beam must be >= 1, got 0"``."""
+    for name, low in bounds.items():
+        value = getattr(cfg, name)
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def result_free(cls: type) -> tuple[str, ...]:
+    """The fields of config dataclass ``cls`` (or of an instance's class) declared ``affects_result=False``,
+    in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("affects_result") is False)
+
+
+def result_settings(cfg: Any, drop: tuple[str, ...] = ()) -> dict:
+    """``dataclasses.asdict(cfg)`` without its result-free fields (``result_free``) and ``drop``: the settings a
+    saved result is matched against, in field order."""
+    skip = set(result_free(cfg)) | set(drop)
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+
+
+def added_settings(cls: type) -> dict[str, Any]:
+    """{field: value} of the fields of ``cls`` declared with ``added=``: what a record saved before the field
+    existed was made with (fill them in where a saved record lacks the key, then compare)."""
+    return {f.name: f.metadata["added"] for f in dataclasses.fields(cls) if "added" in f.metadata}
 
 
 def settings_diff(old: Any, new: Any, where: str, path: str = "") -> list[str]:

@@ -56,7 +56,7 @@ def _tiny(family: str, num_layers: int = 8, hidden: int = 32):
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def setup(request, tmp_path_factory):
     """(model dir, correct draft dir) for a tiny target of each family, and its cache of answers."""
-    from elsi.draft.features import target_features
+    from elsi.draft.forward import target_features
     from elsi.draft.model import random_draft
     from elsi.models import load_target
     from elsi.specbench.answers import greedy_answers

@@ -165,8 +165,8 @@ def test_loss_falls_and_outputs_are_written(target, store, tmp_path):
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6] and cfg["draft_vocab_size"] == 150
     # The saved draft reproduces the held-out figures.
     draft = Eagle3Draft.from_pretrained(tmp_path, target.adapter.embed_tokens(target.model))
-    from elsi.draft.features import split_samples
-    from elsi.draft.train import evaluate_store
+    from elsi.draft.evaluate import evaluate_store
+    from elsi.draft.train import split_samples
 
     _, held = split_samples(16, 0.2, 0)
     again = evaluate_store(draft, target, store, held, torch.nonzero(draft.t2d).flatten(), 3, 2, torch.device("cpu"))
@@ -294,7 +294,7 @@ def test_regeneration_batches_prompts_of_similar_length_and_keeps_their_order(ta
     from conftest import WORDS
 
     from elsi.data import Sample
-    from elsi.draft import features
+    from elsi.draft import regenerate as features
 
     samples = [Sample(f"c{k}", (("user", " ".join(WORDS[k: k + n])), ("assistant", "not the target")))
                for k, n in enumerate((9, 2, 7, 3))]
@@ -321,7 +321,7 @@ def test_regen_turns_keeps_the_first_turns_and_the_reply_mask_follows(target, tm
 
     from elsi.data import Sample, tokenize
     from elsi.data.conversations import assistant_mask
-    from elsi.draft.features import regenerate_batch
+    from elsi.draft.regenerate import regenerate_batch
 
     turns = [("user", " ".join(WORDS[:5])), ("assistant", "not the target"), ("user", " ".join(WORDS[5:9])),
              ("assistant", "nor this")]
@@ -348,7 +348,7 @@ def test_regen_turns_keeps_the_first_turns_and_the_reply_mask_follows(target, tm
 
 
 def test_soft_labels_are_the_full_softmax_restricted_and_renormalised(target):
-    from elsi.draft.train import LabelHead
+    from elsi.draft.loss import LabelHead
 
     vocab = target.model.get_output_embeddings().weight.shape[0]
     ids = torch.tensor([0, 3, 4, 17, 40, vocab - 1])
@@ -362,7 +362,7 @@ def test_soft_labels_are_the_full_softmax_restricted_and_renormalised(target):
 
 def test_head_from_target_equals_target_logits_on_draft_vocab(target):
     from elsi.draft import random_draft
-    from elsi.draft.train import target_head_rows
+    from elsi.draft.init import target_head_rows
 
     ids = torch.arange(5, 205, 2)
     draft = random_draft(target, [1, 6], draft_vocab=ids.tolist(), seed=0)
@@ -383,7 +383,7 @@ def test_head_from_target_equals_target_logits_on_draft_vocab(target):
 def test_ttt_loss_equals_naive_per_row_reference(target, store):
     """Per step j, row i: soft CE against the target's distribution at position i+1+j (weights 0.8^j)."""
     from elsi.draft import random_draft
-    from elsi.draft.train import make_batch, ttt_loss
+    from elsi.draft.loss import make_batch, ttt_loss
 
     ids = torch.arange(0, 300, 3)
     draft = random_draft(target, [1, 3, 6], draft_vocab=ids.tolist(), seed=4)
@@ -414,7 +414,7 @@ def test_ttt_loss_equals_naive_per_row_reference(target, store):
 
 def test_soft_cross_entropy_value_and_gradient_equal_log_softmax_reference():
     """The fused loss against -(p * log_softmax(z)).sum(-1): value and gradient, float32 and bf16 logits."""
-    from elsi.draft.train import SoftCrossEntropy
+    from elsi.draft.loss import SoftCrossEntropy
 
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(3, 7, 50, generator=gen) * 4
@@ -439,7 +439,7 @@ def test_soft_cross_entropy_value_and_gradient_equal_log_softmax_reference():
 
 
 def test_soft_cross_entropy_top1_is_argmax_including_ties():
-    from elsi.draft.train import SoftCrossEntropy
+    from elsi.draft.loss import SoftCrossEntropy
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randint(0, 6, (5, 40, 30), generator=gen).float()  # small integers: many tied maxima
@@ -450,7 +450,7 @@ def test_soft_cross_entropy_top1_is_argmax_including_ties():
 
 
 def test_greedy_tokens_is_argmax_including_ties_across_chunks():
-    from elsi.draft.features import greedy_tokens
+    from elsi.draft.forward import greedy_tokens
 
     gen = torch.Generator().manual_seed(2)
     head = torch.nn.Linear(4, 60, bias=False)
@@ -468,7 +468,7 @@ def test_greedy_tokens_is_argmax_including_ties_across_chunks():
 
 
 def test_frozen_head_stays_at_the_targets_rows(target, store, tmp_path):
-    from elsi.draft.train import target_head_rows
+    from elsi.draft.init import target_head_rows
 
     rec = train_draft(target, store, train_cfg(tmp_path, max_steps=3, freeze_head=True, head_init="target"), seed=0,
                       device=torch.device("cpu"))
@@ -482,7 +482,7 @@ def test_frozen_head_stays_at_the_targets_rows(target, store, tmp_path):
 
 
 def test_feature_scale_is_inverse_rms(store):
-    from elsi.draft.train import feature_scale
+    from elsi.draft.init import feature_scale
 
     pos = store.layer_index([1, 3, 6])
     got = feature_scale(store, [2, 7], pos)
@@ -534,7 +534,7 @@ def test_layer_init_copies_the_last_layer_as_auto_does_and_refuses_other_types(t
     from conftest import make_tiny_gemma3
 
     from elsi.draft.model import config_for_target
-    from elsi.draft.train import init_layer_from_target, resolve_layer_init
+    from elsi.draft.init import init_layer_from_target, resolve_layer_init
 
     rec = train_draft(target, store, train_cfg(tmp_path, max_steps=0, epochs=0.0, layer_init="target"), seed=0,
                       device=torch.device("cpu"))  # no step: the saved weights are the initial ones

@@ -21,7 +21,8 @@ from elsi.cli import main
 from elsi.draft.model import DraftConfig, Eagle3Draft, random_draft
 from elsi.engines import ENGINES, count_problems, engine_feed, engine_problems, export_fragment, stale_eagle_config
 from elsi.engines.configs import upgrade_draft
-from elsi.engines.rules import CHECKED, EngineLoadError, dflash_default_ids, engine_reading
+from elsi.engines.rules import CHECKED, EngineLoadError, engine_reading
+from elsi.select.search import dflash_default_ids
 
 
 def _config(layers, n, fc_norm=False) -> dict:

@@ -15,10 +15,11 @@ import torch
 from conftest import make_tiny_target
 
 from elsi.cli import main
+from elsi.report.study import condition_table
 from elsi.select.run import SelectConfig, Selector
+from elsi.stats.sampling import resample_weights
 from elsi.study import make_plan, parse_set, rankdata, resolve_sets, spearman, study_markdown, summarize_study
 from elsi.study.plan import set_seeds
-from elsi.study.summary import condition_table, resample_weights
 
 SUBTASKS = ["mt_bench", "qa"]
 
@@ -665,7 +666,7 @@ def test_compare_studies_tests_the_compartment_explanation(tmp_path):
 
 def test_delta_pct_interval_against_a_naive_hierarchical_bootstrap():
     """Paired seeds and questions drawn together: the interval equals a loop over resamples written out."""
-    from elsi.study.summary import delta_pct_interval, resample_weights
+    from elsi.study.summary import delta_pct_interval
 
     rng = np.random.default_rng(5)
     q, seeds = 12, [0, 1, 2]

@@ -9,13 +9,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from elsi.cli.common import Command, Runtime, check_inputs, is_main_process, print_json, table
+from elsi.cli.common import Command, Runtime, check_inputs, is_main_process, print_json
 from elsi.collect.collector import CollectConfig, Progress, collect, existing_run, grams_problem
 from elsi.collect.store import GRAMS, RunError, read_json, tensors_checksum
 from elsi.config import opt
 from elsi.data import load_dataset
 from elsi.models import load_target
 from elsi.stats.analysis import ANALYSIS, AnalysisConfig, GramRun, analyze_run
+from elsi.text import md_table
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def analyze(ccfg: CollectConfig, acfg: AnalysisConfig, dest: AnalyzeOutput, rt: 
         for l, h, s, hn, t in zip(res["layers"], res["layer_entropy"], res["layer_entropy_std"],
                                   res["layer_entropy_normalized"], res["transition"][1:] + [math.nan])
     ]
-    print(table(rows, ["layer", "entropy", "std", "normalized", "T(l)"]))
+    print(md_table(["layer", "entropy", "std", "normalized", "T(l)"], rows))
     print(f"boundaries (T peaks): {res['boundaries']}; compartments: {res['compartments']}")
     if wrote:
         print("wrote " + ", ".join(map(str, wrote)))

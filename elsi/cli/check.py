@@ -9,9 +9,10 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elsi.cli.common import Command, Runtime, print_json, table
+from elsi.cli.common import Command, Runtime, print_json
 from elsi.config import opt
 from elsi.engines.rules import ENGINE_NAMES
+from elsi.text import md_table
 
 
 @dataclass(frozen=True)
@@ -147,14 +148,14 @@ def _print(r: dict) -> None:
         a = (emp.get("engines") or {}).get(e, {}).get("acceptance")
         rows.append([ENGINE_NAMES[e], _ids(row["fed"]), row["source"] or "-", "yes" if row["loads"] else "NO",
                      "-" if a is None else f"{a:.3f}"])
-    print(table(rows, ["engine", "feeds", "from", "loads", "acceptance"]))
+    print(md_table(["engine", "feeds", "from", "loads", "acceptance"], rows))
     for f in r["flags"]:
         print(f"{f['level']}: {f['text']}")
     if emp:
         print(f"\nteacher-forced depth-1 acceptance on {emp['answers']} answer turns "
               f"({emp['feedings'][0]['scored']} positions); zero feed {emp['zero_feed']:.3f}:")
-        print(table([[_ids(f["ids"]), ", ".join(f["labels"]), f"{f['acceptance']:.3f}"] for f in emp["feedings"][:12]],
-                    ["feeding", "candidate", "acceptance"]))
+        rows = [[_ids(f["ids"]), ", ".join(f["labels"]), f"{f['acceptance']:.3f}"] for f in emp["feedings"][:12]]
+        print(md_table(["feeding", "candidate", "acceptance"], rows))
         if len(emp["feedings"]) > 12:
             print(f"({len(emp['feedings']) - 12} more in --json)")
         close = f" (not told apart from: {', '.join(map(_ids, emp['close']))})" if emp["close"] else ""

@@ -130,11 +130,3 @@ def build_configs(cmd: Command, ns: argparse.Namespace) -> list:
 def print_json(obj) -> None:
     json.dump(obj, sys.stdout, indent=1)
     sys.stdout.write("\n")
-
-
-def table(rows: list[list], header: list[str]) -> str:
-    """A GitHub-markdown table (readable in a terminal too)."""
-    cells = [[str(c) for c in r] for r in [header, *rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])])

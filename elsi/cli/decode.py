@@ -9,13 +9,14 @@ from pathlib import Path
 
 import torch
 
-from elsi.cli.common import Command, Runtime, print_json, table
+from elsi.cli.common import Command, Runtime, print_json
 from elsi.config import opt
 from elsi.decode import DecodeConfig, TargetRunner, TreeConfig, generate, load_drafter, stop_tokens
 from elsi.decode.drafters import check_draft_spec
 from elsi.engines.vllm import VllmBenchConfig
 from elsi.models import DEFAULT_MODEL, load_target
 from elsi.specbench import BenchConfig, encode_chat, machine_info, run_bench, summary_rows
+from elsi.text import md_table
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,10 @@ def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime, draft_c
            "draft": cfg.draft or None, "vllm_python": str(python), "versions": package_versions(),
            "machine": machine_info(), **res}
     header, rows = engine_rows(res)
-    print(table(rows, header))
+    print(md_table(header, rows))
     if res["tau_agreement"]:
         header, rows = agreement_rows(res)
-        print(table(rows, header))
+        print(md_table(header, rows))
     if cfg.out:
         print(f"wrote {write_results(res, cfg.out)}")
         progress.unlink(missing_ok=True)
@@ -152,7 +153,7 @@ def _report(res: dict, rows, out: str) -> int:
     res = {"command": "elsi bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "elsi bench",
            "machine": machine_info(), **res}
     header, body = rows(res)
-    print(table(body, header))
+    print(md_table(header, body))
     if out:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from elsi.cli.common import Command, Runtime, check_inputs, is_main_process, print_json, table
+from elsi.cli.common import Command, Runtime, check_inputs, is_main_process, print_json
 from elsi.data import load_dataset
 from elsi.collect.store import write_json
 from elsi.decode.drafters import check_draft_spec
@@ -21,6 +21,7 @@ from elsi.engines import warn_engines
 from elsi.models import load_target
 from elsi.specbench.answers import greedy_answers
 from elsi.specbench.exact import ExactConfig, exact_rows, exact_tau
+from elsi.text import md_table
 
 
 def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
@@ -80,7 +81,7 @@ def train(fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
     h = rec["heldout"]
     rows = [[d, f"{m:.4f}", f"{mi:.4f}", f"{l:.3f}"] for d, m, mi, l in
             zip(h["depth"], h["match"], h["match_in_vocab"], h["loss"])]
-    print(table(rows, ["depth", "top-1 match", "match (in vocab)", "loss"]))
+    print(md_table(["depth", "top-1 match", "match (in vocab)", "loss"], rows))
     print(f"held-out: chain acceptance length {h['accept_length_chain']:.3f} "
           f"(product formula {h['accept_length_product']:.3f}); "
           f"{rec['steps']} steps, {rec['epochs']:.2f} epochs, {rec['train_tokens_per_s']:.0f} training tokens/s")
@@ -122,12 +123,12 @@ def evaluate(cfg: EvalConfig, xcfg: ExactConfig, rt: Runtime) -> int:
         r = res["subtasks"][name] if name != "all" else res["all"]
         rows.append([name, *(f"{m:.3f}" for m in r["match"]), f"{r['accept_length_chain']:.3f}",
                      f"{r['accept_length_product']:.3f}"])
-    print(table(rows, ["subtask", *(f"d{d}" for d in range(1, depth + 1)), "tau (chain)", "tau (product)"]))
+    print(md_table(["subtask", *(f"d{d}" for d in range(1, depth + 1)), "tau (chain)", "tau (product)"], rows))
     if xcfg.exact:
         ex = res["exact"]
         print(f"\nexact τ at temperature 0 ({ex['answer_turns']} answer turns, {ex['answer_tokens']} tokens; "
               f"{ex['greedy_flips']} near ties the answers' batched generation rounded otherwise):")
-        print(table(*reversed(exact_rows(ex))))
+        print(md_table(*exact_rows(ex)))
     print(json.dumps({"draft": cfg.draft, "depth1_match": res["all"]["match"][0],
                       "accept_length_chain": res["all"]["accept_length_chain"],
                       **({"exact_tau": {str(t["tree"]["tree_nodes"]): t["overall"]["tau"]

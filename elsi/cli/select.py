@@ -8,13 +8,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from elsi.cli.common import Command, print_json, table
+from elsi.cli.common import Command, print_json
 from elsi.select import SelectConfig, Selector, save_selections, select_all
 from elsi.select.run import all_steps, skipped_steps
-
-
-def _fmt(v, spec=".4f"):
-    return "-" if v is None else format(v, spec)
+from elsi.text import md_table, num
 
 
 def _rank(r) -> str:
@@ -44,10 +41,10 @@ def select(cfg: SelectConfig) -> int:
     if cfg.json:
         print_json(payload)
         return 0
-    rows = [[r.method, r.m, ",".join(map(str, r.layers)), _fmt(r.entropy), _fmt(r.entropy_normalized),
-             _rank(r), _fmt(r.gap), f"{r.elapsed_s:.1f}"]
-            for r in results]
-    print(table(rows, ["method", "m", "layers", "entropy", "normalized", "rank", "gap", "s"]))
+    f = lambda x: num(x, 4, missing="-")  # noqa: E731
+    rows = [[r.method, r.m, ",".join(map(str, r.layers)), f(r.entropy), f(r.entropy_normalized), _rank(r), f(r.gap),
+             f"{r.elapsed_s:.1f}"] for r in results]
+    print(md_table(["method", "m", "layers", "entropy", "normalized", "rank", "gap", "s"], rows))
     sampled = next((r.optimum for r in results if r.optimum and r.optimum.get("sampled")), None)
     if sampled:
         print(f"~ rank estimated from {sampled['sampled']:,} of the {sampled['num_sets']:,} sets (uniform sample, "

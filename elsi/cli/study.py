@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from elsi.cli.analyze import run_dir_for
-from elsi.cli.common import Command, Runtime, check_inputs, table
+from elsi.cli.common import Command, Runtime, check_inputs
 from elsi.collect.store import read_json
 from elsi.config import opt
 from elsi.data import load_dataset
@@ -20,10 +20,12 @@ from elsi.draft.features import FeatureConfig
 from elsi.draft.train import TrainConfig, parse_duration
 from elsi.models import load_target
 from elsi.report import build_report
+from elsi.report.study import condition_table, spearman_line
 from elsi.study import PLAN, Hooks, StudyConfig, make_plan, prepare_study, run_study
 from elsi.study.plan import layer_sets, plan_seeds, require_same_settings
 from elsi.study.run import check_precision, draft_complete, draft_dir
-from elsi.study.summary import claims_condition, condition_table, spearman_line
+from elsi.study.summary import claims_condition
+from elsi.text import md_table
 
 
 class _Bars:
@@ -122,8 +124,9 @@ def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime)
         vllm_python()
         require_float32(dtype, "--vllm-sets")
     prepare_study(cfg.out, plan, cfg.restart)
-    print(table([[s["name"], ",".join(map(str, s["layers"])), f"{s['entropy']:.4f}", ",".join(map(str, s["seeds"]))]
-                 for s in plan["sets"]], ["set", "layers", "entropy (nats)", "seeds"]), file=sys.stderr)
+    print(md_table(["set", "layers", "entropy (nats)", "seeds"],
+                   [[s["name"], ",".join(map(str, s["layers"])), f"{s['entropy']:.4f}", ",".join(map(str, s["seeds"]))]
+                    for s in plan["sets"]]), file=sys.stderr)
     torch.manual_seed(fcfg.seed)  # the one global seed (HF internals); drafts get theirs injected
     target = load_target(fcfg.model, device, dtype, rt.trust_remote_code)
     if plan["vllm"]["sets"]:
@@ -143,7 +146,7 @@ def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime)
     pooled = claims_condition(res)  # temperature 0 pooled where the exact τ gives it, else every condition
     print(f"{pooled['label']}:")
     header, rows = condition_table(pooled, res["subtasks"])
-    print(table(rows, header))
+    print(md_table(header, rows))
     print(spearman_line(pooled))
     for line in res["verdict"]:
         print(f"- {line}")

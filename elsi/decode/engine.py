@@ -26,10 +26,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from elsi.config import opt
+from elsi.config import at_least, opt
 from elsi.decode.tree import Tree, TreeConfig, attention_masks, build_tree
 from elsi.decode.verify import choose, greedy_walk, sampling_walk
-from elsi.models.adapters import Adapter
+from elsi.models.adapters import Adapter, soft_cap
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,7 @@ class DecodeConfig:
     top_p: float = opt(1.0, "nucleus sampling mass (1 = off); used when temperature > 0")
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        at_least(self, max_new_tokens=1, temperature=0)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
@@ -95,7 +92,7 @@ class TargetRunner:
         self.head = model.get_output_embeddings()
         self.layer_types = tuple(adapter.layer_types(model))
         self.window = adapter.sliding_window(model)
-        self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+        self.softcap = adapter.logit_softcap(model)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.vocab_size = int(self.head.weight.shape[0])
@@ -130,10 +127,7 @@ class TargetRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (r, d) -> float32 logits (r, V)."""
-        x = self.head(hidden).float()  # (r, V)
-        if self.softcap:
-            x = torch.tanh(x / self.softcap) * self.softcap
-        return x
+        return soft_cap(self.head(hidden).float(), self.softcap)  # (r, V)
 
 
 def crop_cache(cache, length: int) -> None:

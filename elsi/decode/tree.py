@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elsi.config import opt
+from elsi.config import at_least, opt
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,7 @@ class TreeConfig:
     top_k: int = opt(10, "children per expanded node and nodes expanded per depth (1 = chain drafting)")
 
     def __post_init__(self) -> None:
-        if self.tree_nodes < 1:
-            raise ValueError(f"tree_nodes must be >= 1, got {self.tree_nodes}")
-        if self.depth < 1:
-            raise ValueError(f"depth must be >= 1, got {self.depth}")
-        if self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        at_least(self, tree_nodes=1, depth=1, top_k=1)
 
 
 @dataclass

@@ -1,5 +1,8 @@
-"""Offline draft evaluation on Spec-Bench (``elsi eval-draft``).
+"""Offline draft evaluation: held-out figures on the feature cache (``evaluate_store``, during and after
+training) and teacher-forced figures on Spec-Bench (``evaluate_draft``, ``elsi eval-draft``); both score
+batches with ``elsi.draft.loss.Tally``.
 
+Spec-Bench, step by step:
 Step 1: the target's greedy answers to each question (every turn), cached per target and settings
 (``elsi.specbench.answers``; the CLI reads them and passes them in).
 Step 2: one target forward over prompt + answer gives the features at the draft's layers.
@@ -13,16 +16,19 @@ a chain of ``depth`` drafts (accepted drafts + the target's own token), both as 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from elsi.config import opt
+from elsi.config import at_least, opt
 from elsi.data.spec_bench import SUBTASKS
-from elsi.draft.features import target_features
+from elsi.draft.cache import FeatureStore
+from elsi.draft.checkpoint import TRAINING
+from elsi.draft.forward import target_features
+from elsi.draft.loss import LabelHead, Tally, make_batch, scored
 from elsi.draft.model import Eagle3Draft
-from elsi.draft.train import TRAINING, LabelHead, chain_runs, make_batch, summarize, ttt_loss
 from elsi.models.load import Target
 
 
@@ -43,18 +49,30 @@ class EvalConfig:
     json: bool = opt(False, "print JSON")
 
     def __post_init__(self) -> None:
-        if self.questions < 1:
-            raise ValueError(f"questions must be >= 1, got {self.questions}")
-        if self.depth < 0:
-            raise ValueError(f"depth must be >= 0, got {self.depth}")
-        if self.max_new < 1:
-            raise ValueError(f"max_new must be >= 1, got {self.max_new}")
-        if self.gen_batch < 1:
-            raise ValueError(f"gen_batch must be >= 1, got {self.gen_batch}")
+        at_least(self, questions=1, depth=0, max_new=1, gen_batch=1)
 
 
 def subtask_list(spec: str) -> list[str]:
     return list(SUBTASKS) if spec.strip() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+
+
+@torch.no_grad()
+def evaluate_store(draft: Eagle3Draft, target: Target, store: FeatureStore, indices: Sequence[int],
+                   vocab_ids: torch.Tensor, steps: int, batch_size: int, device: torch.device,
+                   loss_on: str = "reply") -> dict:
+    """Held-out figures on ``indices`` of the feature cache: loss and top-1 match with the target's greedy token
+    per depth, over the positions ``loss_on`` names ('reply' or 'all'), in float32 (as the engine drafts)."""
+    layer_pos = store.layer_index(draft.layer_ids)
+    tally = Tally(steps)
+    was = draft.training
+    draft.eval()
+    label_head = LabelHead.build(target, vocab_ids, device)
+    for a in range(0, len(indices), batch_size):
+        samples = [store.sample(i, layer_pos) for i in indices[a: a + batch_size]]
+        tally.score(draft, make_batch(target, samples, vocab_ids, draft.t2d, device, label_head=label_head,
+                                      score=scored(samples, loss_on)))
+    draft.train(was)
+    return tally.summary()
 
 
 @torch.no_grad()
@@ -67,44 +85,38 @@ def evaluate_draft(target: Target, draft: Eagle3Draft, answers: list[dict], dept
     draft.eval()
     label_head = LabelHead.build(target, vocab_ids, device)
     per: dict[str, dict] = {}
+    tallies: list[Tally] = []
     for sub in dict.fromkeys(a["subtask"] for a in answers):
         rows = [a for a in answers if a["subtask"] == sub and len(a["answer"]) > 0]
-        agg = [{"loss_sum": 0.0, "correct": 0, "scored": 0, "correct_in_vocab": 0, "in_vocab": 0} for _ in range(depth)]
-        runs = torch.zeros(depth + 1, dtype=torch.long)
+        tally = Tally(depth)
         for k in range(0, len(rows), batch_size):
             part = rows[k: k + batch_size]
             seqs = [a["prompt"] + a["answer"] for a in part]
             if max(max(s) for s in seqs) >= n_vocab:
                 raise ValueError(f"token id beyond the draft's target vocabulary ({n_vocab})")
-            feats = target_features(target, seqs, draft.layer_ids)
-            samples, score = [], []
-            for a, seq, (am, fin, st) in zip(part, seqs, feats):
-                samples.append({"ids": torch.tensor(seq), "argmax": am, "final": fin, "aux": st.flatten(1)})
-                # (T,): the target's prediction at position p counts when token p+1 is an answer token.
-                m = torch.zeros(len(seq), dtype=torch.bool)
-                m[len(a["prompt"]) - 1: len(seq) - 1] = True
-                score.append(m)
-            batch = make_batch(target, samples, vocab_ids, draft.t2d, device, score=score, label_head=label_head)
-            _, stats, outs = ttt_loss(draft, batch, depth)
-            for s, acc in zip(stats, agg):
-                acc["loss_sum"] += s["loss"] * s["in_vocab"]
-                for key in ("correct", "scored", "correct_in_vocab", "in_vocab"):
-                    acc[key] += s[key]
-            runs += chain_runs(draft, batch, outs)
-        res = summarize(agg, runs)
-        res["sequences"] = len(rows)
-        res["answer_tokens"] = sum(len(a["answer"]) for a in rows)
-        res["_agg"], res["_runs"] = agg, runs
-        per[sub] = res
-    pooled_agg = [{k: sum(p["_agg"][j][k] for p in per.values()) for k in per[next(iter(per))]["_agg"][j]}
-                  for j in range(depth)]
-    if pooled_agg[0]["scored"] == 0:
+            samples, score = _answer_samples(target, draft, part, seqs)
+            tally.score(draft, make_batch(target, samples, vocab_ids, draft.t2d, device, score=score,
+                                          label_head=label_head))
+        per[sub] = {**tally.summary(), "sequences": len(rows), "answer_tokens": sum(len(a["answer"]) for a in rows)}
+        tallies.append(tally)
+    pooled = Tally.pooled(tallies, depth)
+    if pooled.agg[0]["scored"] == 0:
         raise ValueError(f"no answer token to score: the target's answers to the {len(answers)} question turns are "
                          "empty; raise --max-new or check the questions")
-    pooled = summarize(pooled_agg, sum(p["_runs"] for p in per.values()))
-    for p in per.values():
-        del p["_agg"], p["_runs"]
-    return {"depth": depth, "subtasks": per, "all": pooled}
+    return {"depth": depth, "subtasks": per, "all": pooled.summary()}
+
+
+def _answer_samples(target: Target, draft: Eagle3Draft, part: list[dict],
+                    seqs: list[list[int]]) -> tuple[list[dict], list[torch.Tensor]]:
+    """Step 2: feature samples (``make_batch``'s input) of prompt + answer ``seqs``, and their scored positions."""
+    samples, score = [], []
+    for a, seq, (am, fin, st) in zip(part, seqs, target_features(target, seqs, draft.layer_ids)):
+        samples.append({"ids": torch.tensor(seq), "argmax": am, "final": fin, "aux": st.flatten(1)})
+        # (T,): the target's prediction at position p counts when token p+1 is an answer token.
+        m = torch.zeros(len(seq), dtype=torch.bool)
+        m[len(a["prompt"]) - 1: len(seq) - 1] = True
+        score.append(m)
+    return samples, score
 
 
 def trained_depth(path: str | Path) -> int:

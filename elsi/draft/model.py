@@ -36,10 +36,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from elsi.engines.configs import engine_keys, foreign_draft_config, foreign_weight_name, stale_eagle_config
-
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
+from elsi.draft.checkpoint import CONFIG, WEIGHTS, engine_keys, foreign_draft_config, foreign_weight_name
+from elsi.draft.compat import stale_eagle_config
 
 
 @dataclass

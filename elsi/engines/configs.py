@@ -1,32 +1,21 @@
-"""The engine-facing keys of a draft's ``config.json``, and reading drafts written by other tools.
+"""The per-engine checks of a draft's layer set, and config fragments (``elsi export --layers``).
 
-elsi writes the layer set once per numbering (``elsi.engines.rules`` cites each engine's code):
-the top-level ``eagle_aux_hidden_state_layer_ids`` in vLLM's (= elsi's ids) and
-``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang/SpecForge's (id - 1), with
-``"fc_norm": true`` and ``fc_norm.{i}.weight`` tensors where the draft normalises each state.
+The draft directory's own format, the engine-facing keys of its ``config.json`` and the drafts other
+tools write, is the draft stage's (``elsi.draft.checkpoint``; older elsi drafts: ``elsi.draft.compat``);
+it is re-exported here for the engines' callers.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 
-from elsi.engines.rules import ENGINES, EngineLoadError, default_ids, eagle_config_ids, engine_feed
+from elsi.draft.checkpoint import engine_keys, foreign_draft_config, foreign_layer_ids, foreign_weight_name
+from elsi.draft.compat import split_fc_norm, stale_eagle_config, upgrade_draft
+from elsi.engines.rules import ENGINES, EngineLoadError, engine_feed
 
 FORMATS = ("vllm", "sglang", "specforge", "dflash")  # config fragments (``elsi export --layers``)
 DEFAULT_M = {"dflash": 5}  # layer count a format's drafts use by default (EAGLE-3's: 3)
-
-
-def engine_keys(layer_ids: Sequence[int], fc_norm: bool = False) -> dict:
-    """The keys of ``config.json`` that vLLM, SGLang and SpecForge read for the layer set."""
-    ids = [int(i) for i in layer_ids]
-    return {
-        "eagle_aux_hidden_state_layer_ids": ids,  # vLLM: HF hidden_states index (input of layer i)
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],  # SGLang/SpecForge: output of layer i
-                         "use_aux_hidden_state": True},
-        "fc_norm": bool(fc_norm),
-    }
 
 
 def count_problems(m: int) -> dict[str, str]:
@@ -144,123 +133,6 @@ def export_fragment(layers: Sequence[int], num_layers: int, fmt: str, model: str
                 "_elsi_note": f"vLLM numbering = elsi ids (input of decoder layer i); {source}"}
     return {"eagle_config": keys["eagle_config"],
             "_elsi_note": f"{fmt} numbering = elsi id - 1 (output of decoder layer i); {source}"}
-
-
-def stale_eagle_config(obj: dict) -> bool:
-    """True for a ``config.json`` written by elsi before SGLang/SpecForge ids were shifted by one:
-    its ``eagle_config`` list repeats the vLLM ids, so SGLang would capture every layer one too deep."""
-    if "elsi" not in obj:
-        return False
-    top = obj.get("eagle_aux_hidden_state_layer_ids")
-    lst = (obj.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return bool(top) and lst is not None and list(lst) != [int(i) - 1 for i in top]
-
-
-def split_fc_norm(tensors: dict) -> dict:
-    """Tensors with an older elsi's single (m, d_t) ``fc_norm`` split into EAGLE-3.1's ``fc_norm.{i}.weight``."""
-    if "fc_norm" not in tensors:
-        return dict(tensors)
-    out = {k: v for k, v in tensors.items() if k != "fc_norm"}
-    out.update({f"fc_norm.{i}.weight": w.contiguous() for i, w in enumerate(tensors["fc_norm"])})
-    return out
-
-
-def upgrade_draft(path: str | Path) -> list[str]:
-    """Rewrite an elsi draft directory written before the engine fix, in place: ``eagle_config`` in
-    SGLang/SpecForge numbering, ``"fc_norm"`` at the top level, ``fc_norm.{i}.weight`` tensors.
-    Returns what changed (empty: already current)."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    path = Path(path)
-    cfg_path, w_path = path / "config.json", path / "model.safetensors"
-    if not cfg_path.is_file() or not w_path.is_file():
-        raise FileNotFoundError(f"{path} is not a draft directory (needs config.json and model.safetensors)")
-    obj = json.loads(cfg_path.read_text())
-    if "elsi" not in obj:
-        raise ValueError(f"{cfg_path} has no 'elsi' block: only drafts elsi wrote can be upgraded")
-    own = obj["elsi"]["draft_config"]
-    keys = engine_keys(own["layer_ids"], own.get("fc_norm", False))
-    changed = [k for k in keys if obj.get(k) != keys[k]]
-    tensors = load_file(str(w_path))
-    if "fc_norm" in tensors:
-        save_file(split_fc_norm(tensors), str(w_path))
-        changed.append("fc_norm tensors")
-    if changed:
-        obj.update(keys)
-        obj["elsi"]["sglang_layer_ids"] = [int(i) - 1 for i in own["layer_ids"]]
-        cfg_path.write_text(json.dumps(obj, indent=1))
-    return changed
-
-
-# ---- drafts written by other tools (SpecForge, EAGLE, speculators) ----
-_LLAMA_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-
-
-def foreign_layer_ids(obj: dict, num_layers: int) -> tuple[int, ...]:
-    """elsi ids of a draft config without an ``elsi`` block, as the tool that trained it captured them.
-
-    speculators and vLLM-style configs: the top-level list (vLLM numbering); SpecForge/SGLang:
-    ``eagle_config``'s list + 1; neither: EAGLE-3's default (2, N//2, N-3).
-    """
-    if obj.get("eagle_aux_hidden_state_layer_ids"):
-        return tuple(int(i) for i in obj["eagle_aux_hidden_state_layer_ids"])
-    lst = eagle_config_ids(obj)
-    if lst:
-        return tuple(int(j) + 1 for j in lst)
-    return default_ids(num_layers)
-
-
-def foreign_draft_config(obj: dict, num_layers: int, target_hidden_size: int) -> dict:
-    """``DraftConfig`` fields from a foreign draft's standard keys, or a ValueError naming the missing ones.
-
-    ``obj``: the parsed ``config.json``; speculators checkpoints keep the layer's fields under
-    ``transformer_layer_config``. ``num_layers``/``target_hidden_size``: the target it will serve.
-    """
-    layer = dict(obj.get("transformer_layer_config") or obj)
-    missing = [k for k in _LLAMA_KEYS if k not in layer]
-    if missing:
-        raise ValueError(f"draft config has no {missing}: it is neither an elsi draft nor an EAGLE3 "
-                         "(SpecForge, EAGLE, speculators) config")
-    heads = int(layer["num_attention_heads"])
-    rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(layer.get("rope_theta", 10000.0))}
-    if layer.get("rope_scaling"):
-        rope = {**dict(layer["rope_scaling"]), "rope_theta": float(layer.get("rope_theta", 10000.0))}
-    return {
-        "layer_ids": foreign_layer_ids(obj, num_layers),
-        "target_num_layers": num_layers,
-        "target_hidden_size": int(obj.get("target_hidden_size") or target_hidden_size),
-        "hidden_size": int(layer["hidden_size"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(layer.get("num_key_value_heads") or heads),
-        "head_dim": int(layer.get("head_dim") or int(layer["hidden_size"]) // heads),
-        "intermediate_size": int(layer["intermediate_size"]),
-        "vocab_size": int(layer["vocab_size"]),
-        "draft_vocab_size": int(obj.get("draft_vocab_size") or layer.get("draft_vocab_size") or layer["vocab_size"]),
-        "rms_norm_eps": float(layer.get("rms_norm_eps", 1e-6)),
-        "hidden_act": str(layer.get("hidden_act", "silu")),
-        "rope_parameters": dict(rope),
-        "max_position_embeddings": int(layer.get("max_position_embeddings", 8192)),
-        "fc_norm": bool(obj.get("fc_norm", False)),
-    }
-
-
-def foreign_weight_name(name: str) -> str | None:
-    """A foreign checkpoint's tensor name -> elsi's (None: a tensor elsi does not keep).
-
-    speculators stores the decoder layer as ``layers.0.*`` (EAGLE/SpecForge: ``midlayer.*``);
-    SGLang's legacy per-layer norms ``aux_norm_{low,mid,high}`` are ``fc_norm.{0,1,2}``; the
-    token embeddings are the target's (elsi reads them from the target, never from the draft).
-    """
-    if name.startswith("embed_tokens."):
-        return None
-    if name.startswith("layers.0."):
-        return "midlayer." + name[len("layers.0."):]
-    for i, legacy in enumerate(("aux_norm_low", "aux_norm_mid", "aux_norm_high")):
-        if name.startswith(legacy + "."):
-            return f"fc_norm.{i}." + name[len(legacy) + 1:]
-    return name
 
 
 __all__ = ["DEFAULT_M", "FORMATS", "check_exportable", "check_for_engine", "count_problems", "engine_keys",

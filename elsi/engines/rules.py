@@ -51,6 +51,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elsi.select.search import dflash_default_ids
+
 ENGINES = ("vllm", "vllm-v1", "sglang", "specforge")  # the readers of the keys elsi writes into a draft
 CHECKED = (*ENGINES, "speculators")  # ``elsi check-draft``'s columns
 ENGINE_NAMES = {  # as check-draft prints them (the releases are the ones cited above)
@@ -85,17 +87,6 @@ class Reading:
 def default_ids(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's default layer set (2, N//2, N-3), in HF ``hidden_states`` numbering."""
     return (2, num_layers // 2, num_layers - 3)
-
-
-def dflash_default_ids(num_layers: int, m: int) -> tuple[int, ...]:
-    """DFlash's evenly spaced rule (``build_target_layer_ids``) in its own numbering (a layer's output):
-    m ids from 1 to N-3 (one: N//2). Qwen3-4B (N = 36), m = 5: [1, 9, 17, 25, 33]."""
-    if m < 1:
-        raise ValueError(f"m must be >= 1, got {m}")
-    if m == 1:
-        return (num_layers // 2,)
-    start, end = 1, num_layers - 3
-    return tuple(int(round(start + i * (end - start) / (m - 1))) for i in range(m))
 
 
 def eagle_config_ids(config: dict) -> list[int] | None:
@@ -291,5 +282,5 @@ def specforge_feed(config: dict, num_layers: int) -> tuple[int | None, ...]:
 
 
 __all__ = ["CHECKED", "ENGINES", "ENGINE_NAMES", "FIRST_ID_FAMILIES", "EngineLoadError", "Reading", "default_ids",
-           "dflash_default_ids", "dflash_ids", "eagle_config_ids", "engine_feed", "engine_reading", "is_dflash",
+           "dflash_ids", "eagle_config_ids", "engine_feed", "engine_reading", "is_dflash",
            "is_speculators", "sglang_feed", "specforge_feed", "vllm_feed"]

@@ -25,9 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from elsi.collect.store import write_json
-from elsi.config import opt
+from elsi.config import opt, result_settings
 from elsi.decode.engine import DecodeConfig
 from elsi.specbench.runner import BenchConfig
+from elsi.stats.sampling import interval, pooled_tau, resample_weights
+from elsi.text import num
 
 WORKER = Path(__file__).with_name("vllm_worker.py")  # run with -P: its folder (elsi/engines/vllm.py!) must not shadow vllm
 VENV_ENV = "ELSI_VLLM_PYTHON"  # a python with vllm installed (default: .venv-vllm/bin/python of the checkout)
@@ -165,7 +167,7 @@ class VllmBenchConfig:
                       choices=("elsi", "vllm"))
     spec_tokens: list[int] = opt([1, 2, 3], "vLLM num_speculative_tokens k to sweep (elsi's engine: a chain of k)")
     bootstrap: int = opt(2000, "question-bootstrap resamples of the vLLM - elsi difference in tau")
-    vllm_log: str = opt("", "append vLLM's own output to this file (default: discarded)")
+    vllm_log: str = opt("", "append vLLM's own output to this file (default: discarded)", affects_result=False)
     kv_cache_gb: int = opt(1, "VLLM_CPU_KVCACHE_SPACE in GiB (CPU only)")
 
     def __post_init__(self) -> None:
@@ -190,8 +192,6 @@ def tau_agreement(elsi_acc, elsi_steps, vllm_acc, vllm_steps, resamples: int, se
 
     Each argument: one value per question, (Q,). ``agree``: the 95% interval contains 0.
     """
-    from elsi.study.summary import interval, pooled_tau, resample_weights
-
     ea, es, va, vs = (np.asarray(x, dtype=np.float64) for x in (elsi_acc, elsi_steps, vllm_acc, vllm_steps))
     te, tv = ea.sum() / es.sum() if es.sum() else float("nan"), va.sum() / vs.sum() if vs.sum() else float("nan")
     w = resample_weights(len(ea), resamples, seed)  # (R, Q)
@@ -238,7 +238,7 @@ def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: Vllm
         return run
 
     settings = {"model": str(target.source), "draft": str(draft_dir) if draft_dir else None, "plain": plain,
-                "bench": asdict(bench), "vllm": {k: v for k, v in asdict(vcfg).items() if k != "vllm_log"}}
+                "bench": asdict(bench), "vllm": result_settings(vcfg)}
     kept = BenchProgress(progress, settings)
 
     def run_all(name: str, k: int | None, make: Callable[[], contextlib.AbstractContextManager]) -> None:
@@ -408,7 +408,7 @@ def resummarize(results: dict) -> dict:
 
 def engine_rows(results: dict) -> tuple[list[str], list[list]]:
     """A table of the runs: method, k, tokens/s, τ, speed-up against vLLM plain, greedy equality."""
-    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    f = lambda x, p=2: num(x, p, missing="-")  # noqa: E731
     header = ["engine/method", "k", "tok/s", "tau", "vs vLLM plain", "= vLLM plain", "= elsi plain"]
     rows = []
     for r in results["runs"]:
@@ -422,7 +422,7 @@ def engine_rows(results: dict) -> tuple[list[str], list[list]]:
 def agreement_rows(results: dict) -> tuple[list[str], list[list]]:
     """τ of both engines per k and subtask (emitted tokens per step), with the bootstrap interval of the
     difference; a last row per k with vLLM's own counter."""
-    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    f = lambda x: num(x, 3, missing="-")  # noqa: E731
     header = ["k", "subtask", "tau elsi", "tau vLLM", "vLLM - elsi", "95% interval", "agree", "same steps"]
     rows = []
     for row in results["tau_agreement"]:

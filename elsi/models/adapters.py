@@ -23,6 +23,7 @@ class Adapter:
 
     name: str  # family name, e.g. "llama"
     sliding_window_attr: str | None = None  # config attribute holding the window, if any
+    logit_softcap_attr: str | None = None  # config attribute holding the final logit soft-cap, if any
 
     def decoder(self, model: nn.Module) -> nn.Module:
         """The base decoder (``model.model``) that holds embeddings, layers and norm."""
@@ -48,9 +49,20 @@ class Adapter:
             return None
         return getattr(model.config.get_text_config(), self.sliding_window_attr, None)
 
+    def logit_softcap(self, model: nn.Module) -> float | None:
+        """The cap c of the family's final logit soft-capping (``soft_cap``), or None (no capping)."""
+        if self.logit_softcap_attr is None:
+            return None
+        return getattr(model.config.get_text_config(), self.logit_softcap_attr, None) or None
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Final logit soft-capping, c * tanh(logits / c) (Gemma); ``logits`` (..., V) as they are where ``cap`` is None."""
+    return torch.tanh(logits / cap) * cap if cap else logits
+
 
 LLAMA = Adapter(name="llama")
-GEMMA3 = Adapter(name="gemma3", sliding_window_attr="sliding_window")
+GEMMA3 = Adapter(name="gemma3", sliding_window_attr="sliding_window", logit_softcap_attr="final_logit_softcapping")
 
 # HF class name -> adapter. Llama-style families share one adapter: their decoders differ
 # only inside HF's own modeling code, which elsi never copies.

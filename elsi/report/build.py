@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from elsi.report import figures, page
+from elsi.report.study import load_study
 from elsi.select.run import SELECTIONS
 from elsi.select.search import baseline
 
@@ -196,8 +197,6 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None, comm
     runs = [load_run(d) for d in run_dirs]
     study_data = None
     if study:
-        from elsi.study.run import load_study
-
         study_data = load_study(study)
     several = len(runs) > 1
     written: dict[str, Path] = {}

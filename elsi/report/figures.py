@@ -24,6 +24,9 @@ from matplotlib import colors as mcolors  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
+from elsi.report.study import seeds_phrase  # noqa: E402
+from elsi.text import num  # noqa: E402
+
 DPI = 120
 # Figure sizes in inches; the PNG is (width * DPI) x (height * DPI) pixels.
 SIZES: dict[str, tuple[float, float]] = {
@@ -390,8 +393,6 @@ def study_tau_entropy(study: dict, path: str | Path) -> Path:
     Each seed's draft is a small point (a line spans their range); the set's mean a large mark, labelled;
     the panel title gives Spearman's ρ and its bootstrap interval.
     """
-    from elsi.study.summary import seeds_phrase  # the study stage loads torch and transformers
-
     conds = [study["conditions"][-1], *study["conditions"][:-1]]
     cols = min(3, len(conds))
     fig = _new("study_tau_entropy")
@@ -435,7 +436,7 @@ def _tau_entropy_panel(ax, cond: dict, title: str) -> None:
             ax.annotate(r["name"], (r["entropy"], r["tau_all"]), xytext=(5, 4), textcoords="offset points",
                         fontsize=7.5)
     sp = cond["spearman"]
-    rho = "–" if sp["rho"] is None else f"{sp['rho']:.2f}"
+    rho = num(sp["rho"], 2)
     ci = f" [{sp['ci_low']:.2f}, {sp['ci_high']:.2f}]" if sp.get("ci_low") is not None else ""
     ax.set_title(f"{title}\nSpearman ρ = {rho}{ci}", fontsize=9.5)
     ax.set_xlabel("set entropy (nats)")

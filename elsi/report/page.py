@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import base64
 import html
-import math
 from pathlib import Path
 
 from elsi.report.figures import pair_gain, pixel_size
+from elsi.report.study import NOTE, condition_table, seeds_phrase, spearman_line, study_markdown
+from elsi.text import layer_list, md_table, num
 
 SELECT_HINT = "run `elsi select --run {dir} --method all`"
 TABLE_NOTE = ("Entropy of the set's concatenated states in nats, and divided by log B (block size). rank: 1 = best of "
@@ -22,18 +23,8 @@ TABLE_NOTE = ("Entropy of the set's concatenated states in nats, and divided by 
 
 
 def fmt(x, digits: int = 4) -> str:
-    """A number as the report writes it: ``digits`` decimals; ``–`` for None or NaN; ints as is."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
-    if isinstance(x, bool):
-        return str(x)
-    if isinstance(x, int):
-        return str(x)
-    return f"{x:.{digits}f}"
-
-
-def fmt_layers(layers) -> str:
-    return "[" + ", ".join(str(l) for l in layers) + "]" if layers is not None else "–"
+    """A number as the report writes it: ``digits`` decimals, ``–`` for None or NaN (``elsi.text.num``); ints as is."""
+    return str(x) if isinstance(x, int) else num(x, digits)
 
 
 def _esc(x) -> str:
@@ -96,9 +87,9 @@ def selection_table(run: dict) -> tuple[list[str], list[list[str]], list[bool]]:
     for r in run["rows"]:
         opt = r.get("optimum")
         rows.append([
-            r["method"], str(r["m"]), fmt_layers(r["layers"]), fmt(r.get("entropy")), fmt(r.get("entropy_normalized")),
+            r["method"], str(r["m"]), layer_list(r["layers"]), fmt(r.get("entropy")), fmt(r.get("entropy_normalized")),
             ("≈" if r.get("rank_exact") is False else "") + fmt(r.get("rank")), fmt(r.get("gap")),
-            f"{fmt_layers(opt['layers'])} {fmt(opt['entropy'])}" if opt else "–",
+            f"{layer_list(opt['layers'])} {fmt(opt['entropy'])}" if opt else "–",
             *[fmt((r.get("tau") or {}).get(k), 3) for k in taus],
         ])
         flags.append(_is_chosen(r, run.get("chosen")))
@@ -131,28 +122,20 @@ def layer_table(analysis: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def md_table(header: list[str], rows: list[list[str]]) -> str:
-    """A GitHub-markdown table."""
-    cells = [header, *rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
-
-
 def summary(run: dict) -> str:
     """One sentence: the chosen set against eagle3 (or how to get a choice)."""
     a = run["analysis"]
     c = run.get("chosen")
     by = {(r["method"], r["m"]): r for r in run["rows"]}
     e3 = next((r for r in run["rows"] if r["method"] == "eagle3"), None)
-    e3_txt = f"eagle3 {fmt_layers(e3['layers'])} has H = {fmt(e3.get('entropy'))} nats" if e3 else ""
+    e3_txt = f"eagle3 {layer_list(e3['layers'])} has H = {fmt(e3.get('entropy'))} nats" if e3 else ""
     if not c:
         return (f"{a['model']}: no layer selection yet ({SELECT_HINT.format(dir=run['dir'])}); "
                 f"baselines from N = {a['num_layers']}: "
-                + ", ".join(f"{k} {fmt_layers(v)}" for k, v in run["marks"].items() if k in ("eagle2", "eagle3"))
+                + ", ".join(f"{k} {layer_list(v)}" for k, v in run["marks"].items() if k in ("eagle2", "eagle3"))
                 + (f"; {e3_txt}." if e3_txt else "."))
     r = by.get((c["method"], c["m"]), {})
-    txt = (f"{a['model']}: {c['method']} chose layers {fmt_layers(c['layers'])} (m = {c['m']}), "
+    txt = (f"{a['model']}: {c['method']} chose layers {layer_list(c['layers'])} (m = {c['m']}), "
            f"H = {fmt(r.get('entropy'))} nats ({fmt(r.get('entropy_normalized'))} of log B)")
     if r.get("rank") is not None:
         txt += f", rank {r['rank']} among all sets of size {c['m']}"
@@ -185,7 +168,7 @@ def captions(run: dict) -> dict[str, str]:
         "cka": (
             f"Linear CKA between all layers (ids 0..{a['num_layers']}). Bright blocks are compartments of similar "
             f"layers: {', '.join(f'{x}–{y}' for x, y in a.get('compartments', []))}; dashed lines are the transition "
-            f"boundaries {fmt_layers(bounds)}."),
+            f"boundaries {layer_list(bounds)}."),
         "transitions": (
             "Transition score between consecutive layers; its peaks are the boundaries "
             + (", ".join(f"{b}|{b + 1} (T = {fmt(t[b])})" for b in bounds) or "(none)")
@@ -196,7 +179,7 @@ def captions(run: dict) -> dict[str, str]:
         out["beam_tree"] = (
             f"The {b['method']} beam search for m = {b['m']}: each column is a search depth (set size), each box a set "
             f"kept in the beam with its entropy; edges join a set to its extension. Highlighted: the path to "
-            f"{fmt_layers(b['layers'])} (H = {fmt(b['entropy'])} nats).")
+            f"{layer_list(b['layers'])} (H = {fmt(b['entropy'])} nats).")
     else:
         out["beam_tree"] = f"No beam search yet: {SELECT_HINT.format(dir=run['dir'])}."
     return out
@@ -220,8 +203,6 @@ def selection_markdown(runs: list[dict], study: dict | None = None) -> str:
                       "exhaustive ranks and gaps.", ""]
     parts += [f"{TABLE_NOTE} Layer ids are Hugging Face hidden-state ids (0 = embeddings).", ""]
     if study is not None:
-        from elsi.study.summary import study_markdown  # the study stage loads torch and transformers
-
         parts += [study_markdown(study)]
     return "\n".join(parts)
 
@@ -291,9 +272,6 @@ SECTIONS = [  # (figure name, title)
 
 def study_html(study: dict, figure: Path | None, rel: str) -> str:
     """The study's section: its verdict, the τ-against-entropy figure and one τ table per condition."""
-    # the study stage loads torch and transformers
-    from elsi.study.summary import NOTE, condition_table, seeds_phrase, spearman_line
-
     parts = [
         '<h2 id="sec-study">8. The study: trained drafts, τ and set entropy</h2>',
         f"<p>One EAGLE3 draft per layer set and seed ({_esc(seeds_phrase(study))}) of {_esc(study['model'])}, all "

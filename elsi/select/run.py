@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from elsi.collect.store import lock, read_json, write_json
-from elsi.config import opt
+from elsi.config import at_least, opt, result_settings
 from elsi.select.search import (
     BASELINES,
     METHODS,
@@ -49,18 +49,11 @@ class SelectConfig:
                                "found); 0 = every set (m = 5 of N = 30: 139,503)")
     rank: bool = opt(False, "also rank the selection among all sets of its size, with its gap to the optimum (runs "
                             "the exhaustive search; --method all and exhaustive always do)")
-    json: bool = opt(False, "print JSON")
-    out: str = opt("", "also write the JSON to this file")
+    json: bool = opt(False, "print JSON", affects_result=False)
+    out: str = opt("", "also write the JSON to this file", affects_result=False)
 
     def __post_init__(self):
-        if self.m < 1:
-            raise ValueError(f"m must be >= 1, got {self.m}")
-        if self.beam < 1:
-            raise ValueError(f"beam must be >= 1, got {self.beam}")
-        if self.q < 0:
-            raise ValueError(f"q must be >= 0, got {self.q}")
-        if self.max_sets < 0:
-            raise ValueError(f"max_sets must be >= 0, got {self.max_sets}")
+        at_least(self, m=1, beam=1, q=0, max_sets=0)
 
 
 def preload(scorer: SetScorer, run_dir: Path, aggregate: str) -> None:
@@ -92,7 +85,8 @@ class Selector:
         self.boundaries = read_json(analysis)["boundaries"] if analysis.exists() else []
 
     def settings(self) -> dict:
-        return {k: v for k, v in asdict(self.cfg).items() if k not in ("json", "out", "run", "method", "m", "rank")}
+        """The search settings each selection records (the run, method, m and rank are the selection's own)."""
+        return result_settings(self.cfg, drop=("run", "method", "m", "rank"))
 
     def exhaustive(self, m: int):
         if m not in self.exhaustive_cache:

@@ -336,8 +336,6 @@ def baseline(method: str, num_layers: int, m: int, pool: Set) -> Set:
                              "--layers / export --layers yourself)")
         return (2, n // 2, n - 3)
     if method == "dflash":
-        from elsi.engines.rules import dflash_default_ids
-
         check_m(m, pool)
         if n < 5 and m > 1:
             raise ValueError(f"DFlash's rule spaces ids from 1 to N-3, empty for N = {n}")
@@ -351,6 +349,17 @@ def baseline(method: str, num_layers: int, m: int, pool: Set) -> Set:
         p = sorted(pool)
         return tuple(sorted({p[round((i + 1) * len(p) / m) - 1] for i in range(m)}))
     raise ValueError(f"unknown baseline {method!r}; known: {BASELINES}")
+
+
+def dflash_default_ids(num_layers: int, m: int) -> tuple[int, ...]:
+    """DFlash's evenly spaced rule (``build_target_layer_ids``) in its own numbering (a layer's output):
+    m ids from 1 to N-3 (one: N//2). Qwen3-4B (N = 36), m = 5: [1, 9, 17, 25, 33]."""
+    if m < 1:
+        raise ValueError(f"m must be >= 1, got {m}")
+    if m == 1:
+        return (num_layers // 2,)
+    start, end = 1, num_layers - 3
+    return tuple(int(round(start + i * (end - start) / (m - 1))) for i in range(m))
 
 
 def eagle3_unavailable(num_layers: int) -> str:

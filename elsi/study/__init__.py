@@ -8,7 +8,9 @@ the seed-to-seed spread and Spearman's ρ between set entropy and τ with a boot
 
 from elsi.study.plan import DEFAULT_SETS, PLAN, LayerSet, StudyConfig, make_plan, parse_set, resolve_sets
 from elsi.study.run import Hooks, load_study, prepare_study, run_study, write_summary
-from elsi.study.summary import rankdata, spearman, study_markdown, summarize_study
+from elsi.report.study import study_markdown
+from elsi.stats.sampling import rankdata, spearman
+from elsi.study.summary import summarize_study
 
 __all__ = ["DEFAULT_SETS", "PLAN", "Hooks", "LayerSet", "StudyConfig", "load_study", "make_plan", "parse_set",
            "prepare_study", "rankdata", "resolve_sets", "run_study", "spearman", "study_markdown", "summarize_study",

@@ -40,12 +40,16 @@ seeds of any set):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from elsi.collect.store import read_json
-from elsi.study.summary import TARGET_HALF_WIDTH, _clean, _f, claims_condition, md_table, spearman
+from elsi.report.study import load_study
+from elsi.stats.sampling import spearman
+from elsi.study.summary import TARGET_HALF_WIDTH, _clean, claims_condition
+from elsi.text import md_table, num
 
 PAPER = {
     "m3_gain": {"claim": "ELSI m=3 beats EAGLE-3 by +1.6 to +2.2 % τ", "low_pct": 1.6, "high_pct": 2.2},
@@ -114,58 +118,72 @@ def _width_missed(g: dict) -> str | None:
     if g["half_width"] <= TARGET_HALF_WIDTH:
         return None
     need = f"; about {g['seeds_needed']} paired seeds would reach it" if g.get("seeds_needed") else ""
-    return (f": the interval's half-width {_f(g['half_width'], 2)} points over {g['paired_seeds']} paired seeds "
+    return (f": the interval's half-width {num(g['half_width'], 2)} points over {g['paired_seeds']} paired seeds "
             f"misses the target ±{TARGET_HALF_WIDTH}{need}")
 
 
 def _gain_numbers(g: dict) -> str:
     """A gain in words: Δ % [interval], seed spread % (powered: the interval over paired seeds and questions)."""
     if g.get("half_width") is not None:
-        return (f"Δ {_f(g['delta_pct'], 2, True)} % [{_f(g['ci_low_pct'], 2, True)}, {_f(g['ci_high_pct'], 2, True)}] "
-                f"(95 %, {g['paired_seeds']} paired seeds × questions; half-width {_f(g['half_width'], 2)})")
-    return (f"Δ {_f(g['delta_pct'], 2, True)} % [{_f(g['ci_low_pct'], 2, True)}, {_f(g['ci_high_pct'], 2, True)}], "
-            f"seed spread {_f(g['seed_spread_pct'], 2)} %")
+        return (f"Δ {num(g['delta_pct'], 2, True)} % [{num(g['ci_low_pct'], 2, True)}, "
+                f"{num(g['ci_high_pct'], 2, True)}] (95 %, {g['paired_seeds']} paired seeds × questions; "
+                f"half-width {num(g['half_width'], 2)})")
+    return (f"Δ {num(g['delta_pct'], 2, True)} % [{num(g['ci_low_pct'], 2, True)}, "
+            f"{num(g['ci_high_pct'], 2, True)}], seed spread {num(g['seed_spread_pct'], 2)} %")
+
+
+def _judge_gain(g: dict | None, name: str, rule: Callable[[dict, bool], tuple[str, str]]) -> tuple[str, str]:
+    """The steps rules 1, 2 and 5 share: not resolvable where ``name`` or eagle3 is missing, there is no bootstrap,
+    or a powered interval misses ``TARGET_HALF_WIDTH``; else ``rule(g, powered)`` -> (verdict, the words that
+    follow the gain's numbers)."""
+    if g is None or g["ci_low_pct"] is None:
+        return UNRESOLVED, f"{name} or eagle3 missing, or no bootstrap"
+    txt = _gain_numbers(g)
+    powered = g.get("half_width") is not None  # powered rules (5)
+    missed = _width_missed(g) if powered else None
+    if missed:
+        return UNRESOLVED, txt + missed
+    verdict, why = rule(g, powered)
+    return verdict, txt + why
+
+
+def _m3_rule(g: dict, powered: bool) -> tuple[str, str]:
+    low = PAPER["m3_gain"]["low_pct"]
+    if powered:
+        if g["ci_high_pct"] < low:
+            return CONTRADICTED, f": the paper's smallest gain, {low} %, lies above the interval"
+        if g["ci_low_pct"] > 0:
+            return SUPPORTED, f": a gain above 0, {low} % inside the interval or below it"
+        return UNRESOLVED, ""
+    if g["ci_low_pct"] > 0 and g["beyond_seed_spread"]:
+        return SUPPORTED, ""
+    spread = g["seed_spread_pct"]
+    if g["ci_high_pct"] < low and spread is not None and spread < low:
+        return CONTRADICTED, f": a gain of {low} % lies outside the interval and above the seed noise"
+    return UNRESOLVED, ""
+
+
+def _m1_rule(g: dict, powered: bool) -> tuple[str, str]:
+    margin = PAPER["m3_gain"]["low_pct"]
+    if powered:
+        if abs(g["delta_pct"]) < margin:
+            return SUPPORTED, f" (|Δ| under {margin} %)"
+        return CONTRADICTED, f" (|Δ| of {margin} % or more)"
+    if -margin < g["ci_low_pct"] and g["ci_high_pct"] < margin:
+        return SUPPORTED, f" (inside ±{margin} %)"
+    if (g["ci_low_pct"] > 0 or g["ci_high_pct"] < 0) and g["beyond_seed_spread"]:
+        return CONTRADICTED, ""
+    return UNRESOLVED, ""
 
 
 def judge_m3(g: dict | None) -> tuple[str, str]:
-    low = PAPER["m3_gain"]["low_pct"]
-    if g is None or g["ci_low_pct"] is None:
-        return UNRESOLVED, "elsi:3 or eagle3 missing, or no bootstrap"
-    txt = _gain_numbers(g)
-    if g.get("half_width") is not None:  # powered rules (5)
-        missed = _width_missed(g)
-        if missed:
-            return UNRESOLVED, txt + missed
-        if g["ci_high_pct"] < low:
-            return CONTRADICTED, txt + f": the paper's smallest gain, {low} %, lies above the interval"
-        if g["ci_low_pct"] > 0:
-            return SUPPORTED, txt + f": a gain above 0, {low} % inside the interval or below it"
-        return UNRESOLVED, txt
-    if g["ci_low_pct"] > 0 and g["beyond_seed_spread"]:
-        return SUPPORTED, txt
-    spread = g["seed_spread_pct"]
-    if g["ci_high_pct"] < low and spread is not None and spread < low:
-        return CONTRADICTED, txt + f": a gain of {low} % lies outside the interval and above the seed noise"
-    return UNRESOLVED, txt
+    """Claim 1 (rules 1 and 5) on elsi:3's gain over eagle3 (``gain``): (verdict, the numbers it rests on)."""
+    return _judge_gain(g, "elsi:3", _m3_rule)
 
 
 def judge_m1(g: dict | None) -> tuple[str, str]:
-    margin = PAPER["m3_gain"]["low_pct"]
-    if g is None or g["ci_low_pct"] is None:
-        return UNRESOLVED, "elsi:1 or eagle3 missing, or no bootstrap"
-    txt = _gain_numbers(g)
-    if g.get("half_width") is not None:  # powered rules (5)
-        missed = _width_missed(g)
-        if missed:
-            return UNRESOLVED, txt + missed
-        if abs(g["delta_pct"]) < margin:
-            return SUPPORTED, txt + f" (|Δ| under {margin} %)"
-        return CONTRADICTED, txt + f" (|Δ| of {margin} % or more)"
-    if -margin < g["ci_low_pct"] and g["ci_high_pct"] < margin:
-        return SUPPORTED, txt + f" (inside ±{margin} %)"
-    if (g["ci_low_pct"] > 0 or g["ci_high_pct"] < 0) and g["beyond_seed_spread"]:
-        return CONTRADICTED, txt
-    return UNRESOLVED, txt
+    """Claim 2 (rules 2 and 5) on elsi:1's gain over eagle3 (``gain``): (verdict, the numbers it rests on)."""
+    return _judge_gain(g, "elsi:1", _m1_rule)
 
 
 def judge_where(g: dict | None) -> tuple[str, str]:
@@ -176,8 +194,8 @@ def judge_where(g: dict | None) -> tuple[str, str]:
     if any(s not in subs for s in want):
         return UNRESOLVED, "no interval for translation or summarization"
     order = sorted(subs, key=lambda s: -subs[s]["delta_pct"])
-    txt = "; ".join(f"{s} {_f(subs[s]['delta_pct'], 1, True)} % [{_f(subs[s]['ci_low_pct'], 1, True)}, "
-                    f"{_f(subs[s]['ci_high_pct'], 1, True)}]" for s in order)
+    txt = "; ".join(f"{s} {num(subs[s]['delta_pct'], 1, True)} % [{num(subs[s]['ci_low_pct'], 1, True)}, "
+                    f"{num(subs[s]['ci_high_pct'], 1, True)}]" for s in order)
     if set(order[:2]) == set(want) and all(subs[s]["ci_low_pct"] > 0 for s in want):
         return SUPPORTED, txt
     if g.get("half_width") is not None and _width_missed(g) is None:  # powered rules (5): decided
@@ -196,7 +214,8 @@ def judge_compartments(models: list[dict]) -> tuple[str, str]:
     ranked = sorted(models, key=key)
     most, least = ranked[0], ranked[-1]
     txt = "; ".join(f"{m['model']}: {m['cka']['multi_layer_compartments']} compartments of ≥ 2 layers, mean "
-                    f"adjacent CKA {_f(m['cka']['mean_adjacent_cka'], 3)}, elsi:3 {m['verdicts']['m3_gain']['verdict']}"
+                    f"adjacent CKA {num(m['cka']['mean_adjacent_cka'], 3)}, "
+                    f"elsi:3 {m['verdicts']['m3_gain']['verdict']}"
                     for m in ranked)
     if key(most) == key(least):
         return UNRESOLVED, txt + " (the same CKA structure)"
@@ -258,8 +277,6 @@ def compare_studies(studies: list[dict], analyses: list[dict]) -> dict:
 
 def load_pair(study_dir: str | Path, run_dir: str | Path | None = None) -> tuple[dict, dict]:
     """A study's study.json and its analysis (``run_dir``, default the study's own ``run``)."""
-    from elsi.study.run import load_study
-
     study = load_study(study_dir)
     run = Path(run_dir or study["run"])
     path = run / "analysis.json"
@@ -287,20 +304,21 @@ def comparison_markdown(cmp: dict) -> str:
                        "elsi:3 vs eagle3 (Δ %, CI)", "elsi:1 vs eagle3", "seed spread %", "Spearman ρ (CI)",
                        "held-out: elsi:3 − eagle3, elsi:1 − eagle3 (seed spread)", "held-out ρ"],
                       [[n, str(m["num_layers"]), " ".join(f"{a}–{b}" for a, b in m["cka"]["compartments"]),
-                        str(m["cka"]["multi_layer_compartments"]), _f(m["cka"]["largest_share"], 2),
-                        _f(m["cka"]["mean_adjacent_cka"], 3), _f(m["cka"]["mean_cka"], 3),
+                        str(m["cka"]["multi_layer_compartments"]), num(m["cka"]["largest_share"], 2),
+                        num(m["cka"]["mean_adjacent_cka"], 3), num(m["cka"]["mean_cka"], 3),
                         _gain_cell(m["gain_m3"]), _gain_cell(m["gain_m1"]),
-                        _f((m["gain_m3"] or {}).get("seed_spread_pct"), 2),
-                        f"{_f(m['spearman']['rho'], 2)} [{_f(m['spearman']['ci_low'], 2)}, "
-                        f"{_f(m['spearman']['ci_high'], 2)}]",
-                        f"{_f(m['heldout']['gaps'].get('elsi:3'), 4, True)}, {_f(m['heldout']['gaps'].get('elsi:1'), 4, True)}"
-                        f" ({_f(m['heldout']['spread'], 4)})", _f(m["heldout"]["rho"], 2)]
+                        num((m["gain_m3"] or {}).get("seed_spread_pct"), 2),
+                        f"{num(m['spearman']['rho'], 2)} [{num(m['spearman']['ci_low'], 2)}, "
+                        f"{num(m['spearman']['ci_high'], 2)}]",
+                        f"{num(m['heldout']['gaps'].get('elsi:3'), 4, True)}, "
+                        f"{num(m['heldout']['gaps'].get('elsi:1'), 4, True)} ({num(m['heldout']['spread'], 4)})",
+                        num(m["heldout"]["rho"], 2)]
                        for n, m in zip(names, models)]), ""]
     for n, m in zip(names, models):
         parts += [f"## {n}: elsi:3 and elsi:1 against eagle3, per condition", "",
                   md_table(["condition", "elsi:3 Δ % (CI)", "elsi:1 Δ % (CI)", "Spearman ρ"],
                            [[c["label"], _gain_cell(c["gain_m3"]), _gain_cell(c["gain_m1"]),
-                             _f(c["spearman"]["rho"], 2)] for c in m["conditions"]]), ""]
+                             num(c["spearman"]["rho"], 2)] for c in m["conditions"]]), ""]
     parts += ["Δ % = 100 (τ / τ of eagle3 − 1); CI: the question-bootstrap 95 % interval; the seed spread is the "
               "largest min-max range of τ over a set's seeds, in % of eagle3's τ. Held-out: the drafts' depth-1 "
               "top-1 match on held-out conversations (mean over seeds; spread: the largest min-max range over a "
@@ -312,7 +330,7 @@ def comparison_markdown(cmp: dict) -> str:
 def _gain_cell(g: dict | None) -> str:
     if g is None:
         return "–"
-    return f"{_f(g['delta_pct'], 2, True)} [{_f(g['ci_low_pct'], 2, True)}, {_f(g['ci_high_pct'], 2, True)}]"
+    return f"{num(g['delta_pct'], 2, True)} [{num(g['ci_low_pct'], 2, True)}, {num(g['ci_high_pct'], 2, True)}]"
 
 
 __all__ = ["PAPER", "cka_structure", "compare_studies", "comparison_markdown", "gain", "judge_compartments",

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from elsi.collect.store import read_json, write_json
-from elsi.config import like, opt, settings_diff
+from elsi.config import like, opt, result_settings, settings_diff
 from elsi.data.conversations import data_identity
 from elsi.data.spec_bench import SUBTASKS
 from elsi.draft.features import FeatureConfig
@@ -248,12 +248,13 @@ def set_entropy(selector: Selector, layers: tuple[int, ...]) -> float:
 def plan_settings(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, selector: Selector | None) -> dict:
     """Every setting that shapes a draft or a benchmark (what a rerun must match); ``selector`` None: all but the
     analysis's own ("run", "select"), for a check before the analysis exists."""
-    features = {k: v for k, v in asdict(fcfg).items() if k not in ("cache_layers", "features_dir", "forward_batch", "compile")}
+    # Options that do not change a result (``affects_result=False``) are left out; so are those a study sets per
+    # draft (the layers, the budget: --train-budget), per benchmark (model, draft, the baseline's runs) or itself.
+    features = result_settings(fcfg)
     features["data"] = data_identity(fcfg.data)  # by content: the same file elsewhere is the same data
-    train = {k: v for k, v in asdict(tcfg).items()
-             if k not in ("layers", "out", "restart", "time_budget", "eval_every", "checkpoint_every", "train_compile")}
-    bench = {k: v for k, v in asdict(cfg.bench_config(fcfg.model, baseline=True)).items()
-             if k not in ("model", "draft", "out", "hf_generate", "plain", "exact")}
+    train = result_settings(tcfg, drop=("layers", "time_budget"))
+    bench = result_settings(cfg.bench_config(fcfg.model, baseline=True),
+                            drop=("model", "draft", "out", "hf_generate", "plain", "exact"))
     out = {"features": features, "train": {**train, "time_budget": cfg.train_budget}, "bench": bench}
     if cfg.exact_settings() is not None:  # absent when off: the studies made before it still match
         out["exact"] = cfg.exact_settings()

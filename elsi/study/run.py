@@ -42,9 +42,10 @@ from elsi.draft.train import Progress as TrainProgress
 from elsi.engines.vllm import VllmBenchConfig, progress_path, require_float32, run_vllm_bench
 from elsi.models import adapters
 from elsi.models.load import Target
+from elsi.report.study import study_markdown
 from elsi.specbench.runner import Answer, machine_info, machine_label, run_bench, timing_key
 from elsi.study.plan import PLAN, LayerSet, StudyConfig, layer_sets, plan_seeds, write_plan
-from elsi.study.summary import study_markdown, summarize_study
+from elsi.study.summary import summarize_study
 
 DRAFTS = "drafts"
 BENCH = "bench"

@@ -24,63 +24,16 @@ Conditions: every (temperature, tree size) of the study, and "all" pooling them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 
 from elsi.specbench.runner import machine_label, timing_key
+from elsi.stats.sampling import interval, mean, pooled_tau, resample_weights, spearman
 from elsi.study.plan import plan_seeds
+from elsi.text import layer_list, num
 
 REFERENCES = ("eagle3", "eagle2")  # the defaults a study compares against
 SELECTED = ("elsi", "elsi-c", "exhaustive")  # methods whose sets the entropy criterion chose
-
-
-# ---------------------------------------------------------------------------------------------
-# Rank correlation
-
-
-def rankdata(x: Sequence[float]) -> np.ndarray:
-    """Ranks 1..n of ``x`` (n,); tied values get the average of the ranks they span."""
-    x = np.asarray(x, dtype=np.float64)
-    order = np.argsort(x, kind="mergesort")
-    ranks = np.empty(len(x), dtype=np.float64)
-    sx = x[order]
-    i = 0
-    while i < len(x):
-        j = i
-        while j + 1 < len(x) and sx[j + 1] == sx[i]:
-            j += 1
-        ranks[order[i: j + 1]] = (i + j) / 2 + 1  # positions i..j hold ranks i+1..j+1
-        i = j + 1
-    return ranks
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman's ρ: Pearson's correlation of the average ranks. NaN when x or y is constant."""
-    if len(x) != len(y):
-        raise ValueError(f"spearman needs two sequences of one length, got {len(x)} and {len(y)}")
-    rx, ry = rankdata(x), rankdata(y)
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    den = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
-    return float((rx * ry).sum() / den) if den > 0 else math.nan
-
-
-def resample_weights(num_questions: int, resamples: int, seed: int = 0) -> np.ndarray:
-    """How often each question is drawn in each bootstrap resample -> (resamples, num_questions) float64."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, num_questions, size=(resamples, num_questions))  # (R, Q)
-    w = np.zeros((resamples, num_questions))
-    np.add.at(w, (np.arange(resamples)[:, None], idx), 1.0)  # (R, Q) counts
-    return w
-
-
-def interval(values: np.ndarray) -> tuple[float | None, float | None]:
-    """2.5 and 97.5 percentiles of the finite values; (None, None) when there are none."""
-    v = values[np.isfinite(values)]
-    if v.size == 0:
-        return None, None
-    lo, hi = np.percentile(v, [2.5, 97.5])
-    return float(lo), float(hi)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,10 +47,6 @@ def _clean(x):
 
 def _tps(a: dict) -> float:
     return a["new_tokens"] / a["time_s"] if a["time_s"] > 0 else 0.0
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def condition_label(temperature: float | None, tree_nodes: int | None) -> str:
@@ -196,17 +145,11 @@ def draft_stats(answers: list[dict], qids: list[int], subtask_of: dict[int, str]
     return {
         "accepted": acc, "steps": steps, "tau": tau,
         "tau_all": float(acc.sum() / steps.sum()) if steps.sum() else None,
-        "tokens_per_s": _mean([_tps(a) for a in group]),
-        "speedup_vs_plain": _mean([_tps(a) / _tps(plain[key(a)]) for a in group
+        "tokens_per_s": mean([_tps(a) for a in group]),
+        "speedup_vs_plain": mean([_tps(a) / _tps(plain[key(a)]) for a in group
                                    if key(a) in plain and _tps(plain[key(a)]) > 0]),
-        "speedup_vs_hf": _mean([_tps(a) / _tps(hf[key(a)]) for a in group if key(a) in hf and _tps(hf[key(a)]) > 0]),
+        "speedup_vs_hf": mean([_tps(a) / _tps(hf[key(a)]) for a in group if key(a) in hf and _tps(hf[key(a)]) > 0]),
     }
-
-
-def pooled_tau(w: np.ndarray, acc: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """Pooled τ of every resample: w (R, Q) counts, acc and steps (Q,) -> (R,)."""
-    s = w @ steps  # (R,)
-    return np.where(s > 0, (w @ acc) / np.where(s > 0, s, 1.0), np.nan)
 
 
 def seeds_tau(w: np.ndarray, stats: dict[tuple[str, int], dict], seeds: dict[str, list[int]], name: str) -> np.ndarray:
@@ -232,13 +175,13 @@ def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: di
         row = {
             "name": s["name"], "method": s["method"], "layers": s["layers"], "entropy": s["entropy"],
             "seeds": list(seeds[s["name"]]),
-            "tau": {k: _mean([p["tau"][k] for p in per if p["tau"][k] is not None]) for k in subs},
-            "tau_all": _mean(taus), "tau_seeds": [p["tau_all"] for p in per],
+            "tau": {k: mean([p["tau"][k] for p in per if p["tau"][k] is not None]) for k in subs},
+            "tau_all": mean(taus), "tau_seeds": [p["tau_all"] for p in per],
             "tau_min": min(taus) if taus else None, "tau_max": max(taus) if taus else None,
             "tau_std": float(np.std(taus, ddof=1)) if len(taus) > 1 else None,
-            "tokens_per_s": _mean([p["tokens_per_s"] for p in per if p["tokens_per_s"] is not None]),
-            "speedup_vs_plain": _mean([p["speedup_vs_plain"] for p in per if p["speedup_vs_plain"] is not None]),
-            "speedup_vs_hf": _mean([p["speedup_vs_hf"] for p in per if p["speedup_vs_hf"] is not None]),
+            "tokens_per_s": mean([p["tokens_per_s"] for p in per if p["tokens_per_s"] is not None]),
+            "speedup_vs_plain": mean([p["speedup_vs_plain"] for p in per if p["speedup_vs_plain"] is not None]),
+            "speedup_vs_hf": mean([p["speedup_vs_hf"] for p in per if p["speedup_vs_hf"] is not None]),
         }
         rows.append(row)
         if weights is not None:
@@ -336,7 +279,7 @@ def training_rows(sets: list[dict], trained: dict[tuple[str, int], dict]) -> lis
         known = [h for h in held if h is not None]
         rows.append({"name": s["name"], "seeds": s["seeds"], "steps": [r.get("steps") for r in recs],
                      "train_seconds": [r.get("train_seconds") for r in recs], "heldout_match": held,
-                     "heldout_mean": _mean(known)})
+                     "heldout_mean": mean(known)})
     return rows
 
 
@@ -388,8 +331,8 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
         for t in bench["temperature"]:
             speeds.append({"temperature": t, "machine": machine_label(machine),
                            "drafts": [f"{name} s{sd}" for name, sd in drafts if where[(name, sd)] == key],
-                           "plain_tokens_per_s": _mean([_tps(a) for a in plain.values() if a["temperature"] == t]),
-                           "hf_tokens_per_s": _mean([_tps(a) for a in hf.values() if a["temperature"] == t])})
+                           "plain_tokens_per_s": mean([_tps(a) for a in plain.values() if a["temperature"] == t]),
+                           "hf_tokens_per_s": mean([_tps(a) for a in hf.values() if a["temperature"] == t])})
     untimed = [f"{name} s{sd} ({machine_label(benches[(name, sd)].get('machine'))})" for name, sd in drafts
                if where[(name, sd)] not in timed]
     study = {
@@ -411,47 +354,26 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
 # Text
 
 
-def _f(x, digits: int = 3, signed: bool = False) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
-
-
-def _layers(layers) -> str:
-    return "[" + ", ".join(map(str, layers)) + "]"
-
-
-def seeds_phrase(study: dict) -> str:
-    """The study's seeds in words: ``seeds [0, 1]`` when every set has them all, else per group of sets,
-    ``seeds [0, 1] for eagle3, elsi:3; [0] for eagle2, elsi:2``."""
-    groups: dict[tuple[int, ...], list[str]] = {}
-    for s in study["sets"]:
-        groups.setdefault(tuple(s.get("seeds", study["seeds"])), []).append(s["name"])
-    if len(groups) == 1:
-        return f"seeds {list(next(iter(groups)))}"
-    return "seeds " + "; ".join(f"{list(k)} for {', '.join(v)}" for k, v in groups.items())
-
-
 def gap_sentence(g: dict) -> str:
     """One plain sentence: does the selected set beat the default, by how much, beyond the noise?"""
     beats = g["delta"] > 0
-    txt = (f"{g['set']} {_layers(g['layers'])} {'beats' if beats else 'does not beat'} {g['vs']} "
-           f"{_layers(g['vs_layers'])}: τ {_f(g['tau'])} vs {_f(g['tau_ref'])} ({_f(g['delta_pct'], 1, True)}%)")
+    txt = (f"{g['set']} {layer_list(g['layers'])} {'beats' if beats else 'does not beat'} {g['vs']} "
+           f"{layer_list(g['vs_layers'])}: τ {num(g['tau'])} vs {num(g['tau_ref'])} ({num(g['delta_pct'], 1, True)}%)")
     if g["seed_spread"] is None:
         txt += "; seed-to-seed noise not measured (one seed each)"
     else:
         word = "larger than" if g["beyond_seed_spread"] else "within"
-        txt += f"; the gap {_f(g['delta'], 3, True)} is {word} the seed-to-seed spread ({_f(g['seed_spread'])})"
+        txt += f"; the gap {num(g['delta'], 3, True)} is {word} the seed-to-seed spread ({num(g['seed_spread'])})"
     if g["ci_low"] is not None:
         excl = g["ci_low"] > 0 or g["ci_high"] < 0
-        txt += (f"; question-bootstrap 95% interval of the gap [{_f(g['ci_low'], 3, True)}, "
-                f"{_f(g['ci_high'], 3, True)}]{', which excludes 0' if excl else ''}")
+        txt += (f"; question-bootstrap 95% interval of the gap [{num(g['ci_low'], 3, True)}, "
+                f"{num(g['ci_high'], 3, True)}]{', which excludes 0' if excl else ''}")
     if g.get("pct_ci_low") is not None:
         met = g["pct_half_width"] <= TARGET_HALF_WIDTH
         need = ("" if met or not g.get("seeds_needed") else f"; about {g['seeds_needed']} paired seeds would reach it")
         txt += (f"; 95% interval of Δ% over {len(g['paired_seeds'])} paired seeds and the questions "
-                f"[{_f(g['pct_ci_low'], 2, True)}, {_f(g['pct_ci_high'], 2, True)}] (half-width "
-                f"{_f(g['pct_half_width'], 2)} points, target ≤ {TARGET_HALF_WIDTH}{need})")
+                f"[{num(g['pct_ci_low'], 2, True)}, {num(g['pct_ci_high'], 2, True)}] (half-width "
+                f"{num(g['pct_half_width'], 2)} points, target ≤ {TARGET_HALF_WIDTH}{need})")
     return txt + "."
 
 
@@ -469,9 +391,9 @@ def verdict(study: dict) -> list[str]:
     sp = pooled["spearman"]
     out = []
     if sp["rho"] is not None:
-        ci = (f" (95% bootstrap interval [{_f(sp['ci_low'], 2)}, {_f(sp['ci_high'], 2)}])"
+        ci = (f" (95% bootstrap interval [{num(sp['ci_low'], 2)}, {num(sp['ci_high'], 2)}])"
               if sp["ci_low"] is not None else "")
-        out.append(f"Across the {sp['sets']} sets, set entropy and τ have Spearman ρ = {_f(sp['rho'], 2)}{ci}.")
+        out.append(f"Across the {sp['sets']} sets, set entropy and τ have Spearman ρ = {num(sp['rho'], 2)}{ci}.")
     gaps = pooled["gaps"]
     out += [gap_sentence(g) for g in gaps]
     for ref in REFERENCES:
@@ -488,107 +410,5 @@ def verdict(study: dict) -> list[str]:
     return out
 
 
-def condition_table(cond: dict, subtasks: list[str]) -> tuple[list[str], list[list[str]]]:
-    """(header, rows of text) of one condition: a row per set."""
-    refs = [ref for ref in REFERENCES if any(ref in r["delta_pct"] for r in cond["sets"])]
-    header = ["set", "layers", "H (nats)", *[f"τ {s}" for s in subtasks], "τ all", "τ seeds min–max",
-              *[f"Δ% vs {ref}" for ref in refs], "tok/s", "vs plain"]
-    rows = []
-    for r in cond["sets"]:
-        seeds = (f"{_f(r['tau_min'])}–{_f(r['tau_max'])}" if len(r["tau_seeds"]) > 1 else "1 seed")
-        rows.append([r["name"], _layers(r["layers"]), _f(r["entropy"], 4), *[_f(r["tau"].get(s)) for s in subtasks],
-                     _f(r["tau_all"]), seeds, *[_f(r["delta_pct"].get(ref), 1, True) for ref in refs],
-                     _f(r["tokens_per_s"], 1), _f(r["speedup_vs_plain"], 2) + ("×" if r["speedup_vs_plain"] else "")])
-    return header, rows
-
-
-def spearman_line(cond: dict) -> str:
-    sp = cond["spearman"]
-    ci = (f", 95% bootstrap interval [{_f(sp['ci_low'], 2)}, {_f(sp['ci_high'], 2)}] over {sp['resamples']} "
-          "resamples of the questions" if sp["ci_low"] is not None else "")
-    return f"Spearman ρ(set entropy, τ all) = {_f(sp['rho'], 2)} across {sp['sets']} sets{ci}."
-
-
-def md_table(header: list[str], rows: list[list[str]]) -> str:
-    """A GitHub-markdown table."""
-    cells = [header, *rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
-
-
-NOTE = ("τ = accepted tokens per target step (the drafted tokens accepted + the target's own), pooled over all "
-        "steps of a subtask (Spec-Bench's rule); τ all pools every subtask. A set's τ is the mean over its seeds; "
-        "\"τ seeds min–max\" is the seed-to-seed spread (\"1 seed\": not measured). Δ% = 100 (τ all / τ all of "
-        "the default − 1). tok/s and the speed-up against plain decoding are means over answers; the plain answers "
-        "were timed once per machine the study ran on (bench/baseline*.json), and each draft's speed-up is against "
-        "its own machine's, so machine load between runs shows in them. H = the set's matrix entropy as "
-        "`elsi select` reports it.")
-
-
-def _budget(train: dict) -> str:
-    limit = str(train["time_budget"]).strip().lower()
-    txt = "no time limit" if limit in ("", "0", "none") else f"budget {train['time_budget']}"
-    return txt + (f", at most {train['max_steps']} steps" if train.get("max_steps") else "")
-
-
-def study_markdown(study: dict) -> str:
-    """study.md: the sets, one table per condition with its Spearman line, the verdict, the baseline speeds."""
-    s = study["settings"]
-    b, f, t = s["bench"], s["features"], s["train"]
-    parts = [
-        f"# Layer-set study: {study['model']}", "",
-        f"Sets selected on `{study['run']}`; one draft per set and seed ({seeds_phrase(study)}) trained on "
-        f"{f['data']} ({f['samples']} conversations, ≤ {f['max_tokens']} tokens), {_budget(t)} each, "
-        f"same hyper-parameters; Spec-Bench {', '.join(study['subtasks'])} ({study['questions']} questions), "
-        f"≤ {b['max_new_tokens']} new tokens per turn, tree depth {b['depth']}, top-k {b['top_k']}.", "",
-        "## Verdict", "", *[f"- {v}" for v in study["verdict"]], "",
-        "## Sets", "",
-        md_table(["set", "method", "m", "layers", "H (nats)", "H / log B"],
-                 [[x["name"], x["method"], str(x["m"]), _layers(x["layers"]), _f(x["entropy"], 4),
-                   _f(x["entropy_normalized"], 4)] for x in study["sets"]]), "",
-    ]
-    if any(r["heldout_mean"] is not None for r in study.get("training", [])):
-        parts += ["## Drafts: training and held-out match", "",
-                  md_table(["set", "seeds", "steps", "seconds", "held-out depth-1 match per seed", "mean"],
-                           [[r["name"], ", ".join(map(str, r["seeds"])), ", ".join("–" if x is None else str(x)
-                                                                               for x in r["steps"]),
-                             ", ".join(_f(x, 0) for x in r["train_seconds"]),
-                             ", ".join(_f(x, 4) for x in r["heldout_match"]), _f(r["heldout_mean"], 4)]
-                            for r in study["training"]]), "",
-                  "Held-out: the draft's top-1 agreement with the target's next token on conversations held out "
-                  "from training (the split depends on the seed: drafts of one seed share it).", ""]
-    for cond in study["conditions"]:
-        how = (f" ({cond['questions']} questions, {'exact τ: no decoding loop' if cond.get('exact') else 'decoded'})"
-               if "questions" in cond else "")
-        parts += [f"## τ, {cond['label']}{how}", "", md_table(*condition_table(cond, study["subtasks"])), "",
-                  spearman_line(cond), ""]
-    if study.get("vllm"):
-        parts += ["## vLLM serving the same drafts (chains, T = 0)", "",
-                  md_table(["set", "seed", "k", "τ elsi", "τ vLLM", "vLLM − elsi [95% CI]", "answers equal",
-                            *[f"τ {s} elsi / vLLM" for s in study["subtasks"]]],
-                           [[r["set"], str(r["seed"]), str(r["k"]), _f(r["tau_elsi"]), _f(r["tau_vllm"]),
-                             f"{_f(r['diff'], 3, True)} [{_f(r['ci_low'], 3, True)}, {_f(r['ci_high'], 3, True)}]",
-                             "–" if r["answers_equal"] is None else f"{r['answers_equal']}/{r['questions']}",
-                             *[f"{_f(r['subtasks'].get(s, {}).get('tau_elsi'), 2)} / "
-                               f"{_f(r['subtasks'].get(s, {}).get('tau_vllm'), 2)}" for s in study["subtasks"]]]
-                            for r in study["vllm"]]), "",
-                  "τ of both engines counts emitted tokens per verification step; \"answers equal\": vLLM's "
-                  "greedy answer token for token as elsi's (lossless: elsi's equals plain greedy decoding).", ""]
-    if study.get("command"):
-        parts += [f"Made by `{study['command']}`.", ""]
-    several = len({x.get("machine") for x in study["baseline"]}) > 1
-    parts += ["## Baseline speed", "",
-              md_table(["T", "plain tok/s", "HF generate tok/s"] + (["machine", "drafts benchmarked there"] if several
-                                                                     else []),
-                       [[f"{x['temperature']:g}", _f(x["plain_tokens_per_s"], 1), _f(x["hf_tokens_per_s"], 1)]
-                        + ([x["machine"], ", ".join(x["drafts"])] if several else []) for x in study["baseline"]]), ""]
-    if study.get("without_baseline"):
-        parts += ["No plain decoding was timed where these drafts were benchmarked, so they have no speed-up (their "
-                  "τ stands): " + "; ".join(study["without_baseline"]) + ".", ""]
-    parts += [NOTE, ""]
-    return "\n".join(parts)
-
-
-__all__ = ["condition_table", "gap_sentence", "md_table", "rankdata", "resample_weights", "spearman",
-           "seeds_phrase", "spearman_line", "study_markdown", "summarize_study", "verdict"]
+__all__ = ["claims_condition", "delta_pct_interval", "draft_stats", "gap_sentence", "summarize_condition",
+           "summarize_study", "verdict", "vllm_rows"]
