@@ -416,6 +416,53 @@ def test_engine_summary_counts_emitted_tokens_and_keeps_vllms_counter():
     assert far["diff"] == pytest.approx(0.5) and not far["agree"]
 
 
+def test_engine_agreement_rows_say_what_was_compared():
+    """An agreement where neither engine accepted a draft token (τ = 1 on both) says nothing was compared, not
+    "yes"; vLLM's own counter row is shown and labelled as counting drafts past the stop, not judged."""
+    from elsi.data.spec_bench import load_questions
+    from elsi.engines.vllm import VllmBenchConfig, agreement_rows, summarize_engines, tau_agreement
+    from elsi.specbench.runner import Answer, BenchConfig
+
+    none = tau_agreement([10] * 4, [10] * 4, [10] * 4, [10] * 4, 100)
+    assert none["agree"] and none["nothing_accepted"]
+    assert not tau_agreement([10] * 4, [10] * 4, [12] * 4, [10] * 4, 100)["nothing_accepted"]
+    qs = load_questions(["qa"], 2)
+    answers, tokens = [], {}
+    for q in qs:
+        for method, k, acc in (("spec", 1, 20), ("vllm_spec", 1, 21)):
+            # 21 tokens in 20 steps: one prefill token and one per step, no draft accepted (vLLM's counter: +1 past the stop)
+            answers.append(Answer(q.question_id, q.subtask, method, 0.0, k, 21, 1.0, 20, acc, {"vllm_accepted_pos0": 0.0}))
+            tokens[(method, k, q.question_id)] = list(range(21))
+    res = summarize_engines(answers, tokens, qs, VllmBenchConfig(spec_tokens=[1], bootstrap=100),
+                            BenchConfig(subtasks=["qa"], questions_per_subtask=2))
+    header, rows = agreement_rows(res)
+    verdict = {r[1]: r[header.index("agree")] for r in rows}
+    assert verdict["all"] == verdict["qa"] == "nothing compared: no draft accepted"
+    assert verdict["all, vLLM's own counter"] == "not judged: counts drafts past the stop"
+
+
+def test_vllm_worker_preloads_intel_openmp_where_asked(tmp_path, monkeypatch):
+    """--vllm-preload iomp puts the vLLM environment's libiomp5.so first in the worker's LD_PRELOAD (x86, no
+    CUDA); none, an LD_PRELOAD that has it already, or an environment without it leave LD_PRELOAD alone."""
+    import platform
+
+    import elsi.engines.vllm as ev
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    monkeypatch.setenv(ev.VENV_ENV, str(venv / "bin" / "python"))
+    assert ev.iomp_library() is None and ev.preload_env("iomp") == {}
+    (venv / "lib").mkdir()
+    (venv / "lib" / "libiomp5.so").write_text("")
+    assert ev.iomp_library() == venv / "lib" / "libiomp5.so"
+    if platform.machine() in ("x86_64", "AMD64") and not torch.cuda.is_available():
+        assert ev.preload_env("iomp") == {"LD_PRELOAD": str(venv / "lib" / "libiomp5.so")}
+        assert ev.preload_env("iomp", "/x/libfoo.so") == {"LD_PRELOAD": f"{venv / 'lib' / 'libiomp5.so'}:/x/libfoo.so"}
+    assert ev.preload_env("iomp", "/opt/libiomp5.so") == {} and ev.preload_env("none") == {}
+    with pytest.raises(ValueError, match="--vllm-preload must be one of iomp, none, got 'gnu'"):
+        ev.preload_env("gnu")
+
 def test_vllm_bench_keeps_finished_configurations_across_an_interrupt(tmp_path, tiny_target, monkeypatch):
     """`elsi bench --engine vllm` and the study's vLLM step: a configuration (method, k) that finished is kept in
     the progress file and not run again after an interruption; the results equal an uninterrupted run's. vLLM
@@ -439,6 +486,11 @@ def test_vllm_bench_keeps_finished_configurations_across_an_interrupt(tmp_path, 
         def __exit__(self, *exc):
             return None
 
+        def capture(self, ids):  # the draft's layers, as the real vLLM captures them (tests/test_vllm.py)
+            with torch.no_grad():
+                hs = tiny_target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            return {"layer_ids": [2, 4, 6], "states": [hs[l][0].tolist() for l in (2, 4, 6)]}
+
         def generate(self, ids, max_tokens, stop):
             if os.environ.get("FAKE_VLLM_FAIL") == str(self.k):
                 raise KeyboardInterrupt
@@ -453,6 +505,7 @@ def test_vllm_bench_keeps_finished_configurations_across_an_interrupt(tmp_path, 
     bench = BenchConfig(subtasks=["qa"], questions_per_subtask=2, max_new_tokens=4, hf_generate=False)
     vcfg = VllmBenchConfig(engine="vllm", spec_tokens=[1, 2], bootstrap=20)
     ref = run_vllm_bench(tiny_target, str(draft), bench, vcfg, plain=False)
+    assert [(c["k"], c["ok"]) for c in ref["states_check"]] == [(1, True), (2, True)]  # first question of every run
     out = tmp_path / "res.json"
     monkeypatch.setenv("FAKE_VLLM_FAIL", "2")  # interrupted in vLLM's k = 2
     started.clear()

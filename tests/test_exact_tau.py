@@ -191,3 +191,50 @@ def test_exact_tau_refuses_answers_of_another_model(tiny_target):
     bad = [{"question_id": 1, "subtask": "qa", "turn": 0, "prompt": [1, 2, 3], "answer": [5, 10**6]}]
     with pytest.raises(ValueError, match="beyond the draft's target vocabulary"):
         exact_tau(tiny_target, draft, bad, TREES, 8)
+
+
+def test_answer_states_are_kept_once_per_model_and_read_bit_for_bit(tiny_target, tmp_path):
+    """The target's states over an answer are computed once and kept: a second read (any layers) equals the
+    forward bit for bit without running the target; the exact τ is the same from the cache; an entry left
+    half-written or damaged is not read but computed again; keep=False writes nothing."""
+    from elsi.specbench.exact import exact_tau
+    from elsi.specbench.states import AnswerStates
+
+    n = tiny_target.num_layers
+    draft = accepting_draft(tiny_target, [1, 4, n])
+    gen = torch.Generator().manual_seed(1)
+    vocab = int(tiny_target.model.config.vocab_size)
+    answers = [{"question_id": q, "subtask": s, "turn": 0, "prompt": torch.randint(3, vocab, (k,), generator=gen).tolist(),
+                "answer": torch.randint(3, vocab, (9,), generator=gen).tolist()}
+               for q, s, k in ((1, "qa", 7), (2, "rag", 15))]
+    seq, P = answers[0]["prompt"] + answers[0]["answer"], 7
+    with torch.inference_mode():
+        hs = tiny_target.model.model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+        logits = tiny_target.model(input_ids=torch.tensor([seq])).logits[0, P - 1:-1]
+    flips_ref = int((logits.argmax(-1) != torch.tensor(seq[P:])).sum())
+    assert flips_ref > 0, "random answers: the flips count is exercised"
+
+    store = AnswerStates(tiny_target, root=tmp_path / "states")
+    flips, feats = store.states(seq, P, [1, 4, n])
+    assert (store.computed, store.kept, store.read) == (1, 1, 0) and flips == flips_ref
+    assert torch.equal(feats, torch.cat([hs[l][0] for l in (1, 4, n)], dim=-1))
+    again = AnswerStates(tiny_target, root=tmp_path / "states")
+    flips2, feats2 = again.states(seq, P, [0, 2])
+    assert (again.computed, again.read) == (0, 1) and flips2 == flips_ref
+    assert torch.equal(feats2, torch.cat([hs[0][0], hs[2][0]], dim=-1))
+
+    fresh = exact_tau(tiny_target, draft, answers, TREES, 9, states=AnswerStates(tiny_target, keep=False,
+                                                                                   root=tmp_path / "none"))
+    assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
+    cached = exact_tau(tiny_target, draft, answers, TREES, 9, states=AnswerStates(tiny_target, root=tmp_path / "states"))
+    assert fresh["target_forwards"] == 2 and cached["target_forwards"] == 1  # the second answer was not kept yet
+    assert [t["overall"] for t in cached["trees"]] == [t["overall"] for t in fresh["trees"]]
+    assert cached["greedy_flips"] == fresh["greedy_flips"]
+
+    for meta in (tmp_path / "states").glob("*.json"):  # damaged: the states file cut short
+        pt = meta.with_suffix(".pt")
+        pt.write_bytes(pt.read_bytes()[:100])
+    meta.unlink()  # and one entry without its record: half-written
+    redo = AnswerStates(tiny_target, root=tmp_path / "states")
+    exact_tau(tiny_target, draft, answers, TREES, 9, states=redo)
+    assert (redo.read, redo.computed, redo.kept) == (0, 2, 2)

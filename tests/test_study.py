@@ -91,6 +91,8 @@ def test_set_seeds_multi_seed_sets_and_errors(tiny_run):
     # Specs are compared normalised: "EAGLE3" is eagle3, "layers:5,1" is layers:1,5.
     assert set_seeds(["EAGLE3", "layers:5,1"], sets, [3, 1], 8) == {
         "eagle2": [3], "eagle3": [3, 1], "layers:1,5": [3, 1]}
+    assert set_seeds(["eagle3"], sets, [3, 1, 4], 8, others=2) == {
+        "eagle2": [3, 1], "eagle3": [3, 1, 4], "layers:1,5": [3, 1]}
     with pytest.raises(ValueError, match=r"--multi-seed-sets \['elsi:3', 'nonsense'\]: not in --sets") as err:
         set_seeds(["eagle3", "elsi:3", "nonsense"], sets, [3, 1], 8)
     assert "eagle2, eagle3, layers:1,5" in str(err.value)
@@ -121,7 +123,8 @@ def test_study_config_errors_name_the_bad_value():
     for kw, words in [({"seeds": [0, 0]}, r"repeats \[0\]"), ({"sets": []}, "--sets is empty"),
                       ({"subtasks": ["poetry"]}, "poetry"), ({"train_budget": "soon"}, "soon"),
                       ({"tree_nodes": [0]}, "tree_nodes must be >= 1, got 0"),
-                      ({"multi_seed_sets": ["eagle3", "eagle3"]}, r"--multi-seed-sets repeats \['eagle3'\]")]:
+                      ({"multi_seed_sets": ["eagle3", "eagle3"]}, r"--multi-seed-sets repeats \['eagle3'\]"),
+                      ({"seeds": [0, 1], "other_seeds": 3}, r"--other-seeds must be in 1\.\.2 \(the number of --seeds\), got 3")]:
         with pytest.raises(ValueError, match=words):
             StudyConfig(out="s", **kw)
 
@@ -354,7 +357,8 @@ def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_
     assert main(_argv(tiny_dir, tiny_run, tiny_data, out, "--sets", "eagle3", "elsi:99")) == 2
     assert "'elsi:99'" in capsys.readouterr().err and not out.exists()
 
-    # Interrupted while training the third draft: the first two are kept.
+    # Interrupted while training the third draft (seed by seed: eagle2 s0, eagle3 s0, then elsi:2 s0): the
+    # first two are kept.
     real_train = elsi.study.run.train_draft
     calls = []
 
@@ -367,7 +371,7 @@ def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_
     monkeypatch.setattr(elsi.study.run, "train_draft", interrupt_third)
     assert main(argv) == 130
     assert "rerun the same command to continue" in capsys.readouterr().err
-    done = [out / "drafts" / "eagle2-s0", out / "drafts" / "eagle2-s1"]
+    done = [out / "drafts" / "eagle2-s0", out / "drafts" / "eagle3-s0"]
     assert all((d / "training.json").is_file() for d in done) and not (out / "study.json").exists()
     assert (out / "bench" / "eagle2-s0.json").is_file() and (out / "bench" / "baseline.json").is_file()
     stamps = {p: p.stat().st_mtime_ns for p in [*(d / "model.safetensors" for d in done),
@@ -378,7 +382,8 @@ def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "step 3/15: training eagle2 [8] seed 0 (done" in captured.err
-    assert "step 7/15: training eagle3 [2, 4, 5] seed 0" in captured.err
+    assert "step 5/15: training eagle3 [2, 4, 5] seed 0 (done" in captured.err
+    assert "step 7/15: training elsi:2" in captured.err and "step 9/15: training eagle2 [8] seed 1" in captured.err
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
 
     # The files and their structure.
@@ -526,7 +531,8 @@ def test_study_multi_seed_sets_trains_extra_seeds_only_there(tiny_dir, tiny_run,
 
     # eagle3 gets seeds 0 and 1, eagle2 and elsi:2 seed 0 only.
     assert main(argv + ["--multi-seed-sets", "eagle3"]) == 0
-    assert "step 9/11: training elsi:2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "step 7/11: training elsi:2" in err and "step 9/11: training eagle3 [2, 4, 5] seed 1" in err
     plan = json.loads((out / "plan.json").read_text())
     assert plan["seeds"] == [0, 1]
     assert {s["name"]: s["seeds"] for s in plan["sets"]} == {"eagle2": [0], "eagle3": [0, 1], "elsi:2": [0]}

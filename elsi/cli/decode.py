@@ -116,9 +116,19 @@ def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime, draft_c
     if res["tau_agreement"]:
         header, rows = agreement_rows(res)
         print(md_table(header, rows))
+    bad = [c for c in res["states_check"] if not c["ok"]]
+    for c in res["states_check"]:
+        print(f"k={c['k']}: the states vLLM hands the draft at {c['vllm_layer_ids']} "
+              + ("are" if c["ok"] else "are NOT") + f" Hugging Face's hidden_states at the draft's {c['layer_ids']} "
+              f"(relative error {', '.join(f'{e:.1e}' for e in c['rel_err'])}; nearest neighbour "
+              f"{', '.join(f'{e:.1e}' for e in c['rel_err_nearest_neighbour'])})", file=sys.stderr if bad else sys.stdout)
     if cfg.out:
         print(f"wrote {write_results(res, cfg.out)}")
         progress.unlink(missing_ok=True)
+    if bad:
+        print(f"error: vLLM feeds the draft other states than it was trained on (k = {[c['k'] for c in bad]}): its τ "
+              "measures a misfed draft", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -21,6 +21,7 @@ from elsi.engines import warn_engines
 from elsi.models import load_target
 from elsi.specbench.answers import greedy_answers
 from elsi.specbench.exact import ExactConfig, exact_rows, exact_tau
+from elsi.specbench.states import AnswerStates
 from elsi.text import md_table
 
 
@@ -109,7 +110,7 @@ def evaluate(cfg: EvalConfig, xcfg: ExactConfig, rt: Runtime) -> int:
     if xcfg.exact:
         bar = tqdm(desc="exact tau", unit="turn", file=sys.stderr, dynamic_ncols=True)
         res["exact"] = exact_tau(target, draft.to(device), answers, xcfg.trees(), cfg.max_new,
-                                 on_progress=_bar_update(bar))
+                                 on_progress=_bar_update(bar), states=AnswerStates(target, keep=xcfg.keep_states))
         bar.close()
     if cfg.out:
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)

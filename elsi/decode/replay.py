@@ -25,11 +25,11 @@ bounds such steps on the real SmolLM2.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from elsi.decode.tree import TreeConfig
 
@@ -107,19 +107,22 @@ def replay_answer(draft, features: torch.Tensor, tokens: Sequence[int], prompt_l
     remaining = (L - 1 - roots)  # (A-1,) answer tokens after each root
     # The engine's depth cap: max_new_tokens - len(new) - 1, len(new) = r - P + 1 at root r.
     cap = max_new_tokens - (roots - P + 1) - 1  # (A-1,)
-    results = torch.zeros(len(trees), A - 1, dtype=torch.long)  # (trees, A-1)
     groups: dict[tuple[int, int], list[int]] = {}  # (depth, top_k) -> indices of the trees that share expansions
     for i, t in enumerate(trees):
         groups.setdefault((t.depth, t.top_k), []).append(i)
-    for a in range(0, A - 1, chunk):
-        sl = slice(a, min(A - 1, a + chunk))
-        for (depth, top_k), members in groups.items():
+    results = torch.ones(len(trees), A - 1, dtype=torch.long)  # (trees, A-1); a root no tree can extend adds 1
+    for (depth, top_k), members in groups.items():
+        # A root whose next greedy token is not among its depth-1 candidates accepts no draft in any tree.
+        live = _first_hit(draft, root_logits, ahead[:, 0], top_k).nonzero().flatten()  # (R_live,)
+        for a in range(0, live.numel(), chunk):
+            sl = live[a: a + chunk]
             # Steps 2-3: the candidates of build_tree for these roots.
             cand = _candidates(draft, cache, root_logits[sl], root_hidden[sl], roots[sl], depth, top_k)
             for i in members:
                 t = trees[i]
                 acc = _accept(cand, t.tree_nodes, torch.clamp(cap[sl], max=t.depth), ahead[sl, : t.depth])
-                results[i, sl] = torch.minimum(acc, remaining[sl]).cpu()  # Step 4, cut at the answer's end
+                results[i, sl.cpu()] = acc.cpu()
+    results = torch.minimum(results, remaining.cpu())  # Step 4, cut at the answer's end
     return [Replay(t, results[i].tolist()) for i, t in enumerate(trees)]
 
 
@@ -139,6 +142,41 @@ def teacher_forced(draft, features: torch.Tensor, ids: torch.Tensor, prompt_len:
     logits, out = draft(ids[1:][None], g, pos, cache=cache, logits_to_keep=L - P)  # (1, L-P, V_d), (1, L-1, d)
     roots = torch.arange(P, L - 1, device=device)  # (A-1,) root positions r; row r - 1 holds its logits
     return cache, roots, logits[0, : L - P - 1], out[0, P - 1: L - 2]
+
+
+def _first_hit(draft, root_logits: torch.Tensor, nxt: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(R,) bool: the target's next token ``nxt`` (R,) is among the root's depth-1 candidates (the top_k of its
+    logits, chosen as ``_candidates`` chooses them)."""
+    top = torch.log_softmax(root_logits.float(), dim=-1).topk(min(top_k, root_logits.shape[-1]), dim=-1).indices
+    return ((top + draft.d2t[top]) == nxt[:, None]).any(dim=-1)
+
+
+def _tree_attention(q: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Tensor, seen: torch.Tensor,
+                    fed_k: torch.Tensor, fed_v: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+    """The draft's attention for R roots' tree rows, in float32 -> (R, H, T, hd) in q's dtype.
+
+    q (R, H, T, hd); the shared prefix k_pre/v_pre (1, KVH, P, hd), of which root r sees ``seen[r]`` (R, P);
+    each root's own fed tree rows fed_k/fed_v (R, KVH, F, hd), of which query t sees ``anc[r, t]`` (R, T, F).
+    Every root reads the same prefix keys: one product over all roots' queries, no per-root copy of them.
+    """
+    R, H, T, hd = q.shape
+    KVH, P, Fn = k_pre.shape[1], k_pre.shape[2], fed_k.shape[2]
+    G = H // KVH  # query heads per key/value head (head h reads kv head h // G)
+    qg = q.float().reshape(R, KVH, G * T, hd)  # rows (g, t)
+    scale = 1.0 / math.sqrt(hd)
+    # The prefix part stays in (KVH, R, G·T, P) layout, as the one product over all roots makes it.
+    s_pre = qg.transpose(0, 1).reshape(KVH, R * G * T, hd) @ k_pre[0].float().transpose(-1, -2)  # (KVH, R·G·T, P)
+    s_pre = s_pre.view(KVH, R, G * T, P).mul_(scale).masked_fill_(~seen[None, :, None], float("-inf"))
+    tree_vis = anc[:, None, None].expand(R, 1, G, T, Fn).reshape(R, 1, G * T, Fn)
+    s_tree = (qg @ fed_k.float().transpose(-1, -2)).mul_(scale).masked_fill_(~tree_vis, float("-inf"))  # (R, KVH, G·T, F)
+    # softmax over [prefix ; tree] in two parts, no concatenated scores: one max, one sum
+    top = torch.maximum(s_pre.amax(dim=-1, keepdim=True).transpose(0, 1), s_tree.amax(dim=-1, keepdim=True))
+    e_pre = s_pre.sub_(top.transpose(0, 1)).exp_()  # (KVH, R, G·T, P); finite max: a row sees itself
+    e_tree = s_tree.sub_(top).exp_()  # (R, KVH, G·T, F)
+    z = e_pre.sum(dim=-1, keepdim=True).transpose(0, 1) + e_tree.sum(dim=-1, keepdim=True)  # (R, KVH, G·T, 1)
+    out = (e_pre.view(KVH, R * G * T, P) @ v_pre[0].float()).view(KVH, R, G * T, hd).transpose(0, 1)
+    out = (out + e_tree @ fed_v.float()) / z  # (R, KVH, G·T, hd)
+    return out.reshape(R, H, T, hd).to(q.dtype)
 
 
 def _candidates(draft, cache, root_logits: torch.Tensor, root_hidden: torch.Tensor, roots: torch.Tensor,
@@ -183,13 +221,7 @@ def _candidates(draft, cache, root_logits: torch.Tensor, root_hidden: torch.Tens
         q, kk, vv = draft.midlayer.qkv(emb, hidden, cos, sin)  # (R, H, kf, hd), (R, KVH, kf, hd)
         fed_k = kk if fed_k is None else torch.cat([fed_k, kk], dim=2)  # (R, KVH, F + kf, hd)
         fed_v = vv if fed_v is None else torch.cat([fed_v, vv], dim=2)
-        keys = torch.cat([k_pre.expand(R, -1, -1, -1), fed_k], dim=2)  # (R, KVH, prefix + F + kf, hd)
-        vals = torch.cat([v_pre.expand(R, -1, -1, -1), fed_v], dim=2)
-        visible = torch.cat([seen[:, None].expand(R, kf, prefix), new_anc], dim=-1)  # (R, kf, prefix + F + kf)
-        mask = torch.zeros(visible.shape, dtype=q.dtype, device=device)
-        mask.masked_fill_(~visible, torch.finfo(q.dtype).min)
-        att = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None],
-                                             enable_gqa=q.shape[1] != keys.shape[1])  # (R, H, kf, hd)
+        att = _tree_attention(q, k_pre, v_pre, seen, fed_k, fed_v, new_anc)  # (R, H, kf, hd)
         out = draft.midlayer.finish(att, hidden)  # (R, kf, d)
         logits = draft.head(out)  # (R, kf, V_d)
         grown = torch.zeros(R, f + kf, f + kf, dtype=torch.bool, device=device)

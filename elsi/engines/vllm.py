@@ -91,6 +91,37 @@ def check_vllm_eagle3(model, python: Path | None = None) -> None:
         raise ValueError(f"vLLM ({python or vllm_python()}) cannot serve an EAGLE-3 draft for a {arch} target: {why}")
 
 
+PRELOADS = ("iomp", "none")
+
+
+def iomp_library(python: Path | None = None) -> Path | None:
+    """Intel OpenMP (``libiomp5.so``, pip's ``intel-openmp``) in vLLM's environment, or None."""
+    venv = Path(python or vllm_python()).parent.parent  # <venv>/bin/python -> <venv> (not the link's target)
+    found = sorted(venv.glob("lib/libiomp5.so")) + sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))
+    return found[0] if found else None
+
+
+def preload_env(preload: str, current: str = "") -> dict[str, str]:
+    """The LD_PRELOAD a vLLM worker gets (``{}``: leave it as it is).
+
+    "iomp": Intel OpenMP ahead of the rest on an x86 CPU without CUDA, as vLLM's CPU backend asks for
+    speculative decoding (``bench/vllm_preload.py`` measures it); nothing where it is already preloaded,
+    on a GPU, or where the library is missing (``make vllm`` installs it). "none": vLLM's own defaults.
+    """
+    import platform
+
+    if preload not in PRELOADS:
+        raise ValueError(f"--vllm-preload must be one of {', '.join(PRELOADS)}, got {preload!r}")
+    if preload == "none" or "libiomp" in current or platform.machine() not in ("x86_64", "AMD64"):
+        return {}
+    import torch
+
+    lib = None if torch.cuda.is_available() else iomp_library()
+    if lib is None:
+        return {}
+    return {"LD_PRELOAD": ":".join([str(lib)] + ([current] if current else []))}
+
+
 class VllmWorker:
     """One ``vllm.LLM`` in a subprocess of vLLM's environment (a context manager).
 
@@ -99,12 +130,14 @@ class VllmWorker:
     """
 
     def __init__(self, model: str | Path, draft: str | Path | None = None, k: int = 3, threads: int = 0,
-                 kv_cache_gb: int = 1, max_model_len: int = 4096, log: str | Path | None = None) -> None:
+                 kv_cache_gb: int = 1, max_model_len: int = 4096, log: str | Path | None = None,
+                 preload: str = "iomp") -> None:
         job = {"model": str(model), "draft": str(draft) if draft else "", "k": int(k), "max_model_len": max_model_len}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
         if threads > 0:
             env["OMP_NUM_THREADS"] = str(threads)
+        env.update(preload_env(preload, env.get("LD_PRELOAD", "")))
         self._log = open(log, "a") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen([str(vllm_python()), "-P", str(WORKER), json.dumps(job)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
@@ -169,6 +202,9 @@ class VllmBenchConfig:
     bootstrap: int = opt(2000, "question-bootstrap resamples of the vLLM - elsi difference in tau")
     vllm_log: str = opt("", "append vLLM's own output to this file (default: discarded)", affects_result=False)
     kv_cache_gb: int = opt(1, "VLLM_CPU_KVCACHE_SPACE in GiB (CPU only)")
+    vllm_preload: str = opt("iomp", "iomp: vLLM's worker runs with Intel OpenMP in LD_PRELOAD on an x86 CPU "
+                                    "(faster: bench/results/vllm_preload.json); none: as vLLM starts by itself",
+                            choices=PRELOADS)
 
     def __post_init__(self) -> None:
         if not self.spec_tokens or any(k < 1 for k in self.spec_tokens):
@@ -191,13 +227,15 @@ def tau_agreement(elsi_acc, elsi_steps, vllm_acc, vllm_steps, resamples: int, se
     """Pooled τ of both engines over the same questions and the bootstrap interval of vLLM - elsi.
 
     Each argument: one value per question, (Q,). ``agree``: the 95% interval contains 0.
+    ``nothing_accepted``: neither engine accepted a draft token (τ = 1 on both): nothing was compared.
     """
     ea, es, va, vs = (np.asarray(x, dtype=np.float64) for x in (elsi_acc, elsi_steps, vllm_acc, vllm_steps))
     te, tv = ea.sum() / es.sum() if es.sum() else float("nan"), va.sum() / vs.sum() if vs.sum() else float("nan")
     w = resample_weights(len(ea), resamples, seed)  # (R, Q)
     lo, hi = interval(pooled_tau(w, va, vs) - pooled_tau(w, ea, es))
     return {"tau_elsi": te, "tau_vllm": tv, "diff": tv - te, "ci_low": lo, "ci_high": hi,
-            "agree": lo is not None and lo <= 0.0 <= hi, "questions": len(ea)}
+            "agree": lo is not None and lo <= 0.0 <= hi, "questions": len(ea),
+            "nothing_accepted": bool(ea.sum() == es.sum() and va.sum() == vs.sum())}
 
 
 def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: VllmBenchConfig, threads: int = 0,
@@ -228,6 +266,7 @@ def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: Vllm
     drafter, _info = load_drafter(draft_dir or "", target, bench.seed)
     answers: list[Answer] = []
     tokens: dict[tuple[str, int | None, int], list[int]] = {}  # (method, k, question) -> all turns' tokens
+    states_checks: list[dict] = []  # per vLLM run with the draft: its states against HF's (check_states)
     log = vcfg.vllm_log or None
 
     def recorded(m, name: str, k: int | None, qid: int):
@@ -257,7 +296,11 @@ def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: Vllm
     def served(draft: str | None, k: int):  # a vLLM process for one configuration
         @contextlib.contextmanager
         def make():
-            with VllmWorker(target.source, draft, k, threads=threads, kv_cache_gb=vcfg.kv_cache_gb, log=log) as w:
+            with VllmWorker(target.source, draft, k, threads=threads, kv_cache_gb=vcfg.kv_cache_gb, log=log,
+                            preload=vcfg.vllm_preload) as w:
+                if draft is not None:
+                    states_checks.append({"k": k, **check_states(w, target, drafter.draft.layer_ids,
+                                                                 questions[0].turns[0])})
                 yield vllm_method(w, bench.max_new_tokens, eos)
         return make
 
@@ -276,7 +319,38 @@ def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: Vllm
     if draft_dir:
         for k in vcfg.spec_tokens:
             run_all("vllm_spec", k, served(draft_dir, k))
-    return summarize_engines(answers, tokens, questions, vcfg, bench)
+    return {**summarize_engines(answers, tokens, questions, vcfg, bench), "states_check": states_checks}
+
+
+STATES_RTOL = 1e-3  # relative error of vLLM's states against HF's at the same id (float32: ~1e-5 seen)
+
+
+def check_states(worker: VllmWorker, target, layer_ids, text: str) -> dict:
+    """Whether the states ``worker``'s vLLM hands the draft for the prefill of ``text`` (one chat turn) are
+    Hugging Face's ``hidden_states`` at the draft's ``layer_ids``, not another layer's: for each id, the
+    relative error (positions 1..: position 0's massive activations would swamp the norm) against
+    ``hidden_states[id]`` and against its neighbours. ``ok``: vLLM captures exactly these ids, and each
+    is within ``STATES_RTOL`` of its own layer and nearer it than any neighbour by 100x."""
+    import torch
+
+    from elsi.specbench.runner import encode_chat
+
+    ids = encode_chat(target.tokenizer, [("user", text)])
+    cap = worker.capture(ids)
+    with torch.inference_mode():
+        hs = target.adapter.decoder(target.model)(input_ids=torch.tensor([ids], device=target.device),
+                                                  output_hidden_states=True).hidden_states
+    rel = lambda a, b: float((a[1:] - b[1:]).norm() / b[1:].norm())  # noqa: E731
+    layers = [int(l) for l in layer_ids]
+    own, near = [], []
+    for lid, st in zip(layers, cap["states"]):
+        st = torch.tensor(st, dtype=torch.float32)
+        own.append(rel(st, hs[lid][0].float().cpu()))
+        near.append(min(rel(st, hs[j][0].float().cpu()) for j in (lid - 1, lid + 1) if 0 <= j < len(hs)))
+    ok = (list(cap["layer_ids"]) == layers and len(cap["states"]) == len(layers)
+          and all(o < STATES_RTOL and o * 100 < n for o, n in zip(own, near)))
+    return {"layer_ids": layers, "vllm_layer_ids": list(cap["layer_ids"]), "rel_err": own,
+            "rel_err_nearest_neighbour": near, "ok": bool(ok)}
 
 
 class BenchProgress:
@@ -419,18 +493,28 @@ def engine_rows(results: dict) -> tuple[list[str], list[list]]:
     return header, rows
 
 
+COUNTER_ROW = "all, vLLM's own counter"
+
+
 def agreement_rows(results: dict) -> tuple[list[str], list[list]]:
     """τ of both engines per k and subtask (emitted tokens per step), with the bootstrap interval of the
-    difference; a last row per k with vLLM's own counter."""
+    difference; a last row per k with vLLM's own counter, which also counts drafts accepted past the stop
+    (the length limit or EOS, then discarded): it is shown, not judged. Where neither engine accepted a
+    draft token, "agree" says that nothing was compared."""
     f = lambda x: num(x, 3, missing="-")  # noqa: E731
     header = ["k", "subtask", "tau elsi", "tau vLLM", "vLLM - elsi", "95% interval", "agree", "same steps"]
     rows = []
     for row in results["tau_agreement"]:
         same = f"{row['steps_equal']}/{row['questions']}"
-        for name, r in [("all", row["overall"]), *row["subtasks"].items(), ("all, vLLM counter", row["vllm_counter"])]:
+        for name, r in [("all", row["overall"]), *row["subtasks"].items(), (COUNTER_ROW, row["vllm_counter"])]:
+            if name == COUNTER_ROW:
+                verdict = "not judged: counts drafts past the stop"
+            elif r.get("nothing_accepted"):
+                verdict = "nothing compared: no draft accepted"
+            else:
+                verdict = "yes" if r["agree"] else "NO"
             rows.append([row["k"], name, f(r["tau_elsi"]), f(r["tau_vllm"]), f"{r['diff']:+.3f}",
-                         f"[{f(r['ci_low'])}, {f(r['ci_high'])}]", "yes" if r["agree"] else "NO",
-                         same if name == "all" else ""])
+                         f"[{f(r['ci_low'])}, {f(r['ci_high'])}]", verdict, same if name == "all" else ""])
     return header, rows
 
 
@@ -449,6 +533,6 @@ def progress_path(out: str | Path) -> Path:
     return out.with_name(out.name + ".progress")
 
 
-__all__ = ["VENV_ENV", "BenchProgress", "VllmBenchConfig", "VllmWorker", "agreement_rows", "check_vllm_eagle3",
+__all__ = ["PRELOADS", "VENV_ENV", "BenchProgress", "check_states", "iomp_library", "preload_env", "VllmBenchConfig", "VllmWorker", "agreement_rows", "check_vllm_eagle3",
            "engine_rows", "progress_path", "require_float32", "resummarize", "run_vllm_bench", "summarize_engines",
            "tau_agreement", "vllm_eagle3_support", "vllm_python", "write_results"]

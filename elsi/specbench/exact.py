@@ -1,7 +1,8 @@
 """Exact τ at temperature 0 on Spec-Bench, from the target's cached greedy answers (no decoding loop).
 
 For every answer turn: one target forward over prompt + answer gives the states at the draft's
-layers; ``elsi.decode.replay.replay_answer`` gives the
+layers (kept on disk at every layer once per model, ``elsi.specbench.states``, so later drafts of the
+model skip it); ``elsi.decode.replay.replay_answer`` gives the
 accepted length the engine would have at every root position, for each tree shape. Reported as
 live decoding counts it (walk each answer from its first token, jumping by each step's accepted
 length: the steps decoding takes), pooled per subtask and over all with Spec-Bench's rule (accepted
@@ -24,7 +25,7 @@ import torch
 from elsi.config import like, opt
 from elsi.decode.replay import check_tree, replay_answer
 from elsi.decode.tree import TreeConfig
-from elsi.draft.features import greedy_tokens
+from elsi.specbench.states import AnswerStates
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class ExactConfig:
                                  help_suffix=" (one exact τ per size; 1 = one drafted token)")
     tree_depth: int = like(TreeConfig, "depth")
     top_k: int = like(TreeConfig, "top_k")
+    keep_states: bool = opt(True, "keep the target's states at every layer over the answers on disk "
+                                  "($ELSI_CACHE/spec_bench_states; ~16 GB for SmolLM2 on all of Spec-Bench in float32), "
+                                  "so that every later draft of the model, any layer set, skips the target's forward")
 
     def __post_init__(self) -> None:
         if not self.tree_nodes:
@@ -58,12 +62,14 @@ def check_answers_fit(draft, answers: list[dict]) -> None:
 
 @torch.inference_mode()
 def exact_tau(target, draft, answers: list[dict], trees: Sequence[TreeConfig], max_new_tokens: int,
-              on_progress: Callable[[int, int], None] | None = None) -> dict:
+              on_progress: Callable[[int, int], None] | None = None, states: AnswerStates | None = None) -> dict:
     """τ at temperature 0 of ``draft`` on ``answers`` (``elsi.specbench.answers.greedy_answers``) for each
     tree shape -> {"trees": [per shape: {"tree", "overall", "subtasks", "questions"}], "greedy_flips",
-    "answer_tokens", "answer_turns", "seconds"}.
+    "answer_tokens", "answer_turns", "target_forwards", "seconds"}.
 
     ``max_new_tokens``: the per-turn limit the answers were made with (it caps the last steps' trees).
+    ``states``: where the target's states come from (default: ``AnswerStates(target)``, the disk cache,
+    filled where it misses); ``target_forwards`` counts the turns the target had to run.
     """
     trees = [check_tree(t) for t in trees]
     if not trees:
@@ -72,6 +78,7 @@ def exact_tau(target, draft, answers: list[dict], trees: Sequence[TreeConfig], m
         raise ValueError("no answers to evaluate on")
     check_answers_fit(draft, answers)
     draft.eval()
+    states = states if states is not None else AnswerStates(target)
     t0 = time.perf_counter()
     layers = list(draft.layer_ids)
     # per shape, per question id: [steps, accepted in those steps, sum over all roots, roots]
@@ -84,8 +91,8 @@ def exact_tau(target, draft, answers: list[dict], trees: Sequence[TreeConfig], m
         seq = list(a["prompt"]) + list(a["answer"])
         P = len(a["prompt"])
         if len(a["answer"]) >= 1:
-            argmax, feats = _answer_states(target, seq, P, layers)  # (A,), (L, m·d)
-            flips += int((argmax.cpu() != torch.tensor(seq[P:])).sum())
+            flipped, feats = states.states(seq, P, layers)  # (L, m·d)
+            flips += flipped
             tokens += len(a["answer"])
             reps = replay_answer(draft, feats, seq, P, trees, max_new_tokens)
         else:
@@ -107,17 +114,7 @@ def exact_tau(target, draft, answers: list[dict], trees: Sequence[TreeConfig], m
         out.append({"tree": {"tree_nodes": t.tree_nodes, "depth": t.depth, "top_k": t.top_k},
                     "overall": _pool(per_q), "subtasks": subs, "questions": per_q})
     return {"trees": out, "greedy_flips": flips, "answer_tokens": tokens, "answer_turns": len(answers),
-            "seconds": time.perf_counter() - t0}
-
-
-def _answer_states(target, seq: list[int], prompt_len: int, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward over prompt + answer -> (the target's greedy token after each of the positions
-    P-1 .. L-2 (A,), its states at ``layers`` concatenated (L, m·d) in its own dtype, as the engine hands them)."""
-    ids = torch.tensor([seq], device=target.device)  # (1, L)
-    hs = target.adapter.decoder(target.model)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-    feats = torch.cat([hs[l][0] for l in layers], dim=-1)  # (L, m·d)
-    argmax = greedy_tokens(hs[-1][0, prompt_len - 1: len(seq) - 1], target.model.get_output_embeddings())  # (A,)
-    return argmax, feats
+            "target_forwards": states.computed, "seconds": time.perf_counter() - t0}
 
 
 def _pool(rows: list[dict]) -> dict:

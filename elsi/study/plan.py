@@ -49,7 +49,8 @@ class StudyConfig:
     seeds: list[int] = opt([0], "draft seeds (initialisation, held-out split, batch order): one draft per set and "
                                 "seed (but see --multi-seed-sets), all on the same data (--seed chooses the data)")
     multi_seed_sets: list[str] = opt([], "layer sets (as written in --sets) that get every --seeds; the others get "
-                                         "the first seed only (none given: every set gets every seed)")
+                                         "the first --other-seeds of them (none given: every set gets every seed)")
+    other_seeds: int = opt(1, "with --multi-seed-sets: how many of the first --seeds the other sets get")
     train_budget: str = like(TrainConfig, "time_budget", help_suffix=", per draft")
     subtasks: list[str] = like(BenchConfig, "subtasks")
     questions_per_subtask: int = like(BenchConfig, "questions_per_subtask", default=10)
@@ -88,6 +89,8 @@ class StudyConfig:
                 raise ValueError(f"{flag} repeats {dup}")
         if not self.vllm_spec_tokens or any(k < 1 for k in self.vllm_spec_tokens):
             raise ValueError(f"--vllm-spec-tokens must be >= 1, got {self.vllm_spec_tokens}")
+        if not 1 <= self.other_seeds <= len(self.seeds):
+            raise ValueError(f"--other-seeds must be in 1..{len(self.seeds)} (the number of --seeds), got {self.other_seeds}")
         if self.bootstrap < 0:
             raise ValueError(f"bootstrap must be >= 0, got {self.bootstrap}")
         if not 0 <= self.exact_questions_per_subtask <= 80:
@@ -211,11 +214,12 @@ def named_sets(specs: list[str], sets: list[LayerSet], num_layers: int, flag: st
     return [n for n in names if n in picked]
 
 
-def set_seeds(specs: list[str], sets: list[LayerSet], seeds: list[int], num_layers: int) -> dict[str, list[int]]:
+def set_seeds(specs: list[str], sets: list[LayerSet], seeds: list[int], num_layers: int,
+              others: int = 1) -> dict[str, list[int]]:
     """Each set's seeds, by name: every seed for the sets ``specs`` names (or for all when ``specs`` is empty),
-    the first seed for the others. Raises ValueError naming every spec that is not one of ``sets``."""
+    the first ``others`` seeds for the others. Raises ValueError naming every spec that is not one of ``sets``."""
     multi = named_sets(specs, sets, num_layers, "--multi-seed-sets")
-    return {s.name: list(seeds) if not specs or s.name in multi else list(seeds[:1]) for s in sets}
+    return {s.name: list(seeds) if not specs or s.name in multi else list(seeds[:others]) for s in sets}
 
 
 def vllm_plan(cfg: StudyConfig, sets: list[LayerSet], num_layers: int) -> dict:
@@ -267,7 +271,7 @@ def make_plan(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, run_dir:
     """Select every set on the finished analysis in ``run_dir`` -> the plan (plan.json's dict)."""
     selector = Selector(SelectConfig(run=str(Path(run_dir).resolve())))  # a clear error if the run is not finished
     sets = resolve_sets(cfg.sets, selector)
-    seeds = set_seeds(cfg.multi_seed_sets, sets, cfg.seeds, selector.run.num_layers)
+    seeds = set_seeds(cfg.multi_seed_sets, sets, cfg.seeds, selector.run.num_layers, cfg.other_seeds)
     man = Path(run_dir) / "manifest.json"
     return {
         "format": FORMAT,

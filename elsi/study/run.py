@@ -264,41 +264,43 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
         res = run_bench(target, None, live_bench(cfg, fcfg.model, baseline=True), on_answer=hooks.bench)
         write_json(base_path, _bench_record(res, set=None, seed=None, draft=None))
 
-    # Step 3: one draft per set and each of its seeds, then its benchmark.
+    # Step 3: one draft per set and each of its seeds, then its benchmark; seed by seed (every set's first
+    # seed, then every set's second, ...), so that a study stopped part way already holds paired seeds.
     i = 2
     benches: dict[tuple[str, int], dict] = {}
     trained: dict[tuple[str, int], dict] = {}  # each draft's training.json
-    for s in sets:
-        for seed in seeds[s.name]:
-            out = draft_dir(study_dir, s, seed)
+    for s, seed in seed_major(sets, seeds):
+        out = draft_dir(study_dir, s, seed)
+        i += 1
+        what = f"{s.name} {list(s.layers)} seed {seed}"
+        if draft_complete(out):
+            say(i, n, f"training {what} (done: {out})")
+        else:
+            say(i, n, f"training {what}")
+            t = replace(tcfg, layers=",".join(map(str, s.layers)), out=str(out), time_budget=cfg.train_budget,
+                        restart=False)
+            train_draft(target, store, t, seed, device, samples=fcfg.samples, on_progress=hooks.train)
+        rec = {"answers": []}
+        if live:
+            path = bench_path(study_dir, s, seed)
             i += 1
-            what = f"{s.name} {list(s.layers)} seed {seed}"
-            if draft_complete(out):
-                say(i, n, f"training {what} (done: {out})")
+            if _readable(path) is not None:
+                say(i, n, f"benchmarking {what} (done: {path})")
             else:
-                say(i, n, f"training {what}")
-                t = replace(tcfg, layers=",".join(map(str, s.layers)), out=str(out), time_budget=cfg.train_budget,
-                            restart=False)
-                train_draft(target, store, t, seed, device, samples=fcfg.samples, on_progress=hooks.train)
-            rec = {"answers": []}
-            if live:
-                path = bench_path(study_dir, s, seed)
-                i += 1
-                if _readable(path) is not None:
-                    say(i, n, f"benchmarking {what} (done: {path})")
-                else:
-                    say(i, n, f"benchmarking {what}")
-                    drafter, info = load_drafter(str(out), target)
-                    res = run_bench(target, drafter, live_bench(cfg, fcfg.model, draft=str(out)),
-                                    on_answer=hooks.bench)
-                    write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
-                rec = read_json(path)
-            if exact:
-                i += 1
-                rec = {**rec, "answers": rec["answers"] + exact_answers(
-                    exact_step(target, str(out), s, seed, cfg, study_dir, lambda text: say(i, n, text), hooks))}
-            benches[(s.name, seed)] = rec
-            trained[(s.name, seed)] = read_json(out / TRAINING)
+                say(i, n, f"benchmarking {what}")
+                drafter, info = load_drafter(str(out), target)
+                res = run_bench(target, drafter, live_bench(cfg, fcfg.model, draft=str(out)),
+                                on_answer=hooks.bench)
+                write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
+            rec = read_json(path)
+        if exact:
+            i += 1
+            rec = {**rec, "answers": rec["answers"] + exact_answers(
+                exact_step(target, str(out), s, seed, cfg, study_dir, lambda text: say(i, n, text), hooks))}
+        benches[(s.name, seed)] = rec
+        trained[(s.name, seed)] = read_json(out / TRAINING)
+    order = [(s.name, seed) for s in sets for seed in seeds[s.name]]  # the summary reads them set by set
+    benches, trained = {k: benches[k] for k in order}, {k: trained[k] for k in order}
 
     # Step 4: vLLM serves the --vllm-sets drafts (chains), next to elsi's chain on the same questions.
     vllm = {}
@@ -324,6 +326,12 @@ def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fc
     say(n, n, f"summary: {STUDY_JSON}, {STUDY_MD}")
     return write_summary(study_dir, plan, benches, [read_json(p) for p in baseline_paths(study_dir)], cfg.bootstrap,
                          command, vllm, trained)
+
+
+def seed_major(sets: list[LayerSet], seeds: dict[str, list[int]]) -> list[tuple[LayerSet, int]]:
+    """Every (set, seed) draft, the k-th seed of every set before any set's (k+1)-th."""
+    deepest = max((len(v) for v in seeds.values()), default=0)
+    return [(s, seeds[s.name][k]) for k in range(deepest) for s in sets if k < len(seeds[s.name])]
 
 
 def live_bench(cfg: StudyConfig, model: str, draft: str = "", baseline: bool = False):
