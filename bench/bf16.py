@@ -47,7 +47,8 @@ import torch
 from elsi.collect.collector import _forward, package_versions
 from elsi.collect.grams import block_grams, blocks_of, filter_positions, kept_count, token_entropy, unpack
 from elsi.data import iter_tokenized, load_dataset
-from elsi.draft.features import regenerate_batch, target_features
+from elsi.draft.forward import target_features
+from elsi.draft.regenerate import regenerate_batch
 from elsi.models.compiled import compiled
 from elsi.models import load_target
 from elsi.stats.entropy import kernel_entropy
@@ -185,7 +186,7 @@ def stage_train(target, features_dir: str, layers: str, steps: int, batch_size: 
     """The same draft training run (same init, data order and steps) with float32 and bf16-autocast matmuls,
     each eager and with the unrolled forward compiled (``--train-compile``). ``train_tokens_per_s`` counts the
     whole run (the compilation in the first step included); ``steady_tokens_per_s`` from step 10 on."""
-    from elsi.draft.features import FeatureStore
+    from elsi.draft.cache import FeatureStore
     from elsi.draft.train import TrainConfig, train_draft
 
     store = FeatureStore(features_dir)
@@ -241,9 +242,9 @@ def stage_profile(target, features_dir: str, layers: str, steps: int) -> dict:
     """Operator self times of bf16-autocast draft training steps (batch 1, ttt 1), after 3 warm-up steps."""
     from torch.profiler import profile
 
-    from elsi.draft.features import FeatureStore
+    from elsi.draft.cache import FeatureStore
     from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
-    from elsi.draft.train import LabelHead, make_batch, scored, ttt_loss
+    from elsi.draft.loss import LabelHead, make_batch, scored, ttt_loss
     from elsi.draft.vocab import build_vocab
 
     store = FeatureStore(features_dir)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from elsi.collect.store import write_json
 from elsi.decode.engine import SPINE_ROWS, TargetRunner
+from elsi.io import write_json
 from elsi.models import load_target
 from elsi.specbench.runner import machine_info
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from elsi.collect.collector import package_versions
-from elsi.draft.features import FeatureStore
+from elsi.draft.cache import FeatureStore
 from elsi.draft.train import TrainConfig, train_draft
 from elsi.models import load_target
 from elsi.specbench.runner import machine_info

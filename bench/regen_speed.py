@@ -3,7 +3,7 @@
 `--regenerate` answers the training prompts with the target, batch by batch. A batch is left-padded to its
 longest prompt and every decoding step attends over that width, so one long prompt makes its whole batch
 slow. The feature pass now sorts each shard's prompts by length into the batches
-(``elsi.draft.features.regenerate_sorted``). This bench answers the same ShareGPT first prompts (the feature
+(``elsi.draft.regenerate.regenerate_sorted``). This bench answers the same ShareGPT first prompts (the feature
 pass's stream order) both ways, in one run, and records the answered tokens per second of each and how many
 answers are identical (batch composition moves float sums, so a near-tie may flip a token).
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from elsi.collect.store import write_json
 from elsi.data.conversations import iter_tokenized, load_dataset
-from elsi.draft.features import first_prompt_tokens, leaves_room, regenerate_batch, regenerate_sorted
+from elsi.draft.regenerate import first_prompt_tokens, leaves_room, regenerate_batch, regenerate_sorted
+from elsi.io import write_json
 from elsi.models import load_target
 from elsi.specbench.runner import machine_info
 

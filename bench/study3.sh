@@ -7,7 +7,10 @@
 #   τ at temperature 0 from the exact evaluator on all 480 Spec-Bench questions for one drafted token, 30 and
 #   60 nodes (depth 6, top-k 10); the target's states over the answers are computed by the first draft and
 #   read by the others ($ELSI_CACHE/spec_bench_states).
-#   Resumable across interruptions and machines of the same precision: rerun the same command.
+#   Resumable across interruptions and machines of the same precision: rerun the same command. Finished drafts
+#   travel without their weights: `PARTIAL=1 bash bench/study_results.sh MODEL STUDY_DIR bench/results/study3-MODEL`
+#   keeps their records (plan, training.json, exact τ), and this script copies them back into a STUDY_DIR that has
+#   no plan.json yet, so a new machine trains only the drafts still missing.
 set -e
 MODEL=${1:?usage: bash bench/study3.sh MODEL [STUDY_DIR [OPTION...]]}
 OUT=${2:-runs/study3-$MODEL}
@@ -16,6 +19,11 @@ ARGS=(--model "$MODEL" --data sharegpt --run runs/$MODEL --out "$OUT" --features
   --sets eagle3 elsi:3 elsi:1 eagle2 elsi:2 elsi-c:3 low-entropy:3 uniform:3 --seeds 0 1 2 3 4 5 6 7
   --multi-seed-sets eagle3 elsi:3 elsi:1 --other-seeds 2 --train-budget 0 --max-steps 1200 --samples 1200
   --ttt "${TTT:-1}" --temperature 0 --tree-nodes 1 30 60 --exact-questions-per-subtask 80 --threads 2 "${@:3}")
+KEPT=bench/results/study3-$MODEL
+if [ ! -f "$OUT/plan.json" ] && [ -f "$KEPT/plan.json" ]; then
+  mkdir -p "$OUT" && cp -r "$KEPT"/. "$OUT"/ && rm -f "$OUT/PARTIAL.txt"
+  echo "$OUT: went on from the records in $KEPT"
+fi
 .venv/bin/elsi study "${ARGS[@]}" --check
 [ -f runs/$MODEL/analysis.json ] || .venv/bin/elsi analyze --model "$MODEL" --out runs/$MODEL --threads 2
 .venv/bin/elsi study "${ARGS[@]}"

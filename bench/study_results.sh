@@ -3,7 +3,8 @@
 #   DEST default bench/results/study2-MODEL)
 # PARTIAL=1 copies an unfinished study's finished drafts (plan, benchmarks, training records) and lists what is
 # left in PARTIAL.txt; copied back into STUDY_DIR, they let `bash bench/study.sh MODEL` go on from there on
-# another machine (it rebuilds the feature cache, then trains and benchmarks only the missing drafts).
+# another machine (it rebuilds the feature cache, then trains and benchmarks only the missing drafts);
+# bench/study3.sh copies them back itself.
 set -e
 MODEL=${1:?usage: bash bench/study_results.sh MODEL [STUDY_DIR [DEST]]}
 OUT=${2:-runs/study2-$MODEL}
@@ -16,11 +17,16 @@ cp "$OUT/plan.json" "$DEST/"
 for f in study.json study.md; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$DEST/"; done
 cp -r "$OUT/bench" "$DEST/"
 [ -d "$OUT/vllm" ] && cp -r "$OUT/vllm" "$DEST/"
+[ -d "$OUT/exact" ] && cp -r "$OUT/exact" "$DEST/"
 [ -d "$OUT/report" ] && cp -r "$OUT/report" "$DEST/"
 : > "$DEST/.left"
 for d in "$OUT"/drafts/*/; do
   name=$(basename "$d")
-  if [ -f "$OUT/bench/$name.json" ] && grep -q '"status": "complete"' "$d/training.json" 2>/dev/null; then
+  # finished: trained, with every result the study makes (a live benchmark where it times a baseline, exact τ
+  # where it has exact/)
+  live=1; ls "$OUT"/bench/baseline*.json >/dev/null 2>&1 || live=0
+  if grep -q '"status": "complete"' "$d/training.json" 2>/dev/null \
+     && { [ $live = 0 ] || [ -f "$OUT/bench/$name.json" ]; } && { [ ! -d "$OUT/exact" ] || [ -f "$OUT/exact/$name.json" ]; }; then
     mkdir -p "$DEST/drafts/$name" && cp "$d/training.json" "$d/config.json" "$DEST/drafts/$name/"
   else  # a draft record without its benchmark would need the weights, which are not copied
     echo "draft $name: not benchmarked yet (redone from the start)" >> "$DEST/.left"
@@ -33,8 +39,8 @@ FEAT=$OUT/features
 cp "$FEAT/features.json" "$DEST/features.json"
 if [ ! -f "$OUT/study.json" ]; then
   { echo "Unfinished study ($(date -u +%F)): finished drafts and benchmarks only; to go on, copy this folder"
-    echo "to $OUT and run: bash bench/study.sh $MODEL"; cat "$DEST/.left"
-    echo "benchmarks done: $(ls "$DEST/bench" | tr '\n' ' ')"; } > "$DEST/PARTIAL.txt"
+    echo "to $OUT and run the study's command again (bench/study.sh, bench/study3.sh)"; cat "$DEST/.left"
+    echo "drafts done: $(ls "$DEST/drafts" | tr '\n' ' ')"; } > "$DEST/PARTIAL.txt"
 fi
 rm -f "$DEST/.left"
 du -sh "$DEST"

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from elsi.cli import main as elsi_main
-from elsi.draft.features import FeatureStore
+from elsi.draft.cache import FeatureStore
 from elsi.specbench.runner import machine_info
 
 

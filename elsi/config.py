@@ -97,6 +97,12 @@ def _base_type(tp) -> tuple[type, bool]:
     return tp, False
 
 
+def argparse_text(text: str) -> str:
+    """``text`` as argparse's ``help=`` takes it: argparse %-formats help (``%(default)s``), so a plain ``%`` (as in
+    "95 % interval") is doubled to print as written."""
+    return text.replace("%", "%%")
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     """Add one option per field of ``cls`` to ``parser`` (the field's name with dashes)."""
     hints = typing.get_type_hints(cls)
@@ -111,7 +117,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         help_text = meta.get("help", "")
         if default not in (None, "", [], dataclasses.MISSING) and not isinstance(default, bool):
             help_text += f" (default: {default if not isinstance(default, list) else ' '.join(map(str, default))})"
-        kwargs: dict[str, Any] = {"help": help_text, "dest": f.name}
+        kwargs: dict[str, Any] = {"help": argparse_text(help_text), "dest": f.name}
         names = [meta.get("flag", "--" + f.name.replace("_", "-"))]
         if meta.get("positional"):
             kwargs.pop("dest")

@@ -9,8 +9,9 @@ import torch
 
 from elsi.collect.collector import CollectConfig, collect
 from elsi.collect.grams import blocks_of, filter_positions, kept_count, normalize_blocks, token_entropy, unpack
-from elsi.collect.store import GRAMS, MANIFEST, RunError, load_tensors
+from elsi.collect.store import GRAMS, MANIFEST
 from elsi.data import load_dataset, tokenize
+from elsi.io import RunError, load_tensors
 from elsi.stats.analysis import GramRun
 
 
@@ -217,14 +218,14 @@ def test_a_run_begun_in_float32_is_not_finished_in_bf16(tiny_target, tiny_data, 
 
 
 def test_dtype_auto_is_bf16_for_bulk_passes_only_where_bf16_is_native(monkeypatch):
-    import elsi.models.adapters as adapters
+    import elsi.runtime as runtime
     from elsi.cli.common import Runtime
 
-    monkeypatch.setattr(adapters, "fast_bf16", lambda device: (True, "test: native"))
+    monkeypatch.setattr(runtime, "fast_bf16", lambda device: (True, "test: native"))
     assert Runtime(device="cpu").setup(bulk=True)[1] == torch.bfloat16  # analyze, train-draft
     assert Runtime(device="cpu").setup()[1] == torch.float32  # decoding and evaluation
     assert Runtime(device="cpu", dtype="float32").setup(bulk=True)[1] == torch.float32
-    monkeypatch.setattr(adapters, "fast_bf16", lambda device: (False, "CPU: AMX tiles False, AVX512-BF16 False"))
+    monkeypatch.setattr(runtime, "fast_bf16", lambda device: (False, "CPU: AMX tiles False, AVX512-BF16 False"))
     assert Runtime(device="cpu").setup(bulk=True)[1] == torch.float32
     with pytest.warns(UserWarning, match="emulates bf16"):
         assert Runtime(device="cpu", dtype="bfloat16").setup(bulk=True)[1] == torch.bfloat16

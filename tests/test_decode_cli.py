@@ -49,7 +49,20 @@ def test_generate_errors_name_the_bad_value(tiny_dir, capsys):
     assert "/nonexistent" in capsys.readouterr().err
 
 
-def test_bench_writes_results(tiny_dir, tmp_path, capsys):
+def test_bench_writes_results(tiny_dir, tmp_path, capsys, monkeypatch):
+    from elsi.specbench import runner
+
+    real_answer, tokens = runner.answer, {}
+
+    def recorded(method, name, q, tokenizer, temperature, tree_nodes, gen):
+        """``runner.answer`` keeping each turn's new token ids, by (question, temperature, method, tree)."""
+        def m(ids, g):
+            res = method(ids, g)
+            tokens.setdefault((q.question_id, temperature, name, tree_nodes), []).append(res[0])
+            return res
+        return real_answer(m, name, q, tokenizer, temperature, tree_nodes, gen)
+
+    monkeypatch.setattr(runner, "answer", recorded)
     out = tmp_path / "res.json"
     argv = ["bench", "--model", str(tiny_dir), "--draft", "target", "--subtasks", "mt_bench", "qa",
             "--questions-per-subtask", "1", "--max-new-tokens", "6", "--tree-nodes", "4", "8", "--depth", "3",
@@ -75,6 +88,12 @@ def test_bench_writes_results(tiny_dir, tmp_path, capsys):
     for a in greedy:
         by_q.setdefault(a["question_id"], set()).add(a["new_tokens"])
     assert all(len(v) == 1 for v in by_q.values())
+    assert len(greedy) == 2 * 4  # 2 questions x (hf_generate, plain, spec 4, spec 8)
+    for a in greedy:
+        turns = tokens[(a["question_id"], 0.0, a["method"], a["tree_nodes"])]
+        assert sum(map(len, turns)) == a["new_tokens"]  # the recorded tokens are the answer's
+        plain = tokens[(a["question_id"], 0.0, "plain", None)]
+        assert turns == plain, (a["method"], a["tree_nodes"])  # every turn's tokens equal plain decoding's
 
 
 def test_eagle_session_matches_an_uncached_draft_pass():

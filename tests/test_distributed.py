@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elsi.collect.store import GRAMS, MANIFEST, load_tensors
+from elsi.collect.store import GRAMS, MANIFEST
+from elsi.io import load_tensors
 
 
 def _worker(rank: int, world: int, init_file: str, data: str, run_dir: str) -> None:
@@ -124,7 +125,7 @@ def _train_worker(rank: int, world: int, init_file: str, data: str, tmp: str) ->
 def test_two_process_draft_training_equals_single_process(tiny_data, tmp_path):
     from safetensors.torch import load_file
 
-    from elsi.draft.features import FeatureStore
+    from elsi.draft.cache import FeatureStore
     from elsi.draft.train import train_draft
 
     torch.set_num_threads(1)

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from elsi.data import load_dataset
 from elsi.draft import Eagle3Draft
 from elsi.draft.evaluate import evaluate_draft
-from elsi.draft.features import FeatureConfig, FeatureStore, build_features
+from elsi.draft.cache import FeatureStore
+from elsi.draft.features import FeatureConfig, build_features
 from elsi.draft.train import TrainConfig, parse_duration, train_draft
 
 LAYERS = "1,3,6"
@@ -492,12 +493,12 @@ def test_feature_scale_is_inverse_rms(store):
 
 def test_bf16_autocast_training_tracks_float32_and_falls_back_where_bf16_is_emulated(target, store, tmp_path,
                                                                                     monkeypatch):
-    import elsi.models.adapters as adapters
+    import elsi.runtime as runtime
     from elsi.draft.train import matmul_dtype
 
     rec = {}
     for dt in ("float32", "bfloat16"):
-        monkeypatch.setattr(adapters, "fast_bf16", lambda device: (True, "test: native"))
+        monkeypatch.setattr(runtime, "fast_bf16", lambda device: (True, "test: native"))
         rec[dt] = train_draft(target, store, train_cfg(tmp_path / dt, train_dtype=dt, max_steps=30), 0,
                               torch.device("cpu"))
     assert rec["float32"]["train_matmul_dtype"] == "float32" and rec["bfloat16"]["train_matmul_dtype"] == "bfloat16"
@@ -509,7 +510,7 @@ def test_bf16_autocast_training_tracks_float32_and_falls_back_where_bf16_is_emul
     h32, h16 = rec["float32"]["heldout"]["match"][0], rec["bfloat16"]["heldout"]["match"][0]
     assert abs(h32 - h16) <= 0.05
     # where bf16 would be emulated: auto is float32, and an explicit bfloat16 warns and trains in float32
-    monkeypatch.setattr(adapters, "fast_bf16", lambda device: (False, "CPU: AMX tiles False, AVX512-BF16 False"))
+    monkeypatch.setattr(runtime, "fast_bf16", lambda device: (False, "CPU: AMX tiles False, AVX512-BF16 False"))
     assert matmul_dtype("auto", torch.device("cpu")) == (torch.float32, None)
     dt, warning = matmul_dtype("bfloat16", torch.device("cpu"))
     assert dt == torch.float32 and "emulated" in warning and "AVX512-BF16 False" in warning

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from elsi.cli import main
+from elsi.draft.compat import stale_eagle_config, upgrade_draft
 from elsi.draft.model import DraftConfig, Eagle3Draft, random_draft
-from elsi.engines import ENGINES, count_problems, engine_feed, engine_problems, export_fragment, stale_eagle_config
-from elsi.engines.configs import upgrade_draft
+from elsi.engines import ENGINES, count_problems, engine_feed, engine_problems, export_fragment
 from elsi.engines.rules import CHECKED, EngineLoadError, engine_reading
 from elsi.select.search import dflash_default_ids
 

@@ -163,7 +163,7 @@ def test_answers_cache_checks_settings_and_serves_subsets(tiny_target, tmp_path,
     """The answers are made once per settings; a file made with other settings is refused naming the
     difference; fewer questions per subtask are read from a cached superset without generating."""
     import elsi.specbench.answers as answers
-    from elsi.collect.store import write_json
+    from elsi.io import write_json
 
     monkeypatch.setenv("ELSI_CACHE", str(tmp_path))
     made = []
@@ -232,7 +232,7 @@ def test_answer_states_are_kept_once_per_model_and_read_bit_for_bit(tiny_target,
     assert cached["greedy_flips"] == fresh["greedy_flips"]
 
     for meta in (tmp_path / "states").glob("*.json"):  # damaged: the states file cut short
-        pt = meta.with_suffix(".pt")
+        pt = meta.with_suffix(".safetensors")
         pt.write_bytes(pt.read_bytes()[:100])
     meta.unlink()  # and one entry without its record: half-written
     redo = AnswerStates(tiny_target, root=tmp_path / "states")

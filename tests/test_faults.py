@@ -35,10 +35,13 @@ from safetensors.torch import load_file
 import elsi
 from elsi.cli import main
 from elsi.collect.collector import CollectConfig, collect
-from elsi.collect.store import GRAMS, MANIFEST, BusyError, RunError, load_tensors, lock, lock_path
+from elsi.collect.store import GRAMS, MANIFEST
+from elsi.io import BusyError, RunError, load_tensors, lock, lock_path
 from elsi.data import load_dataset
-from elsi.draft.features import FeatureConfig, FeatureStore, build_features
-from elsi.draft.train import CHECKPOINT, TrainConfig, train_draft
+from elsi.draft.cache import FeatureStore
+from elsi.draft.features import FeatureConfig, build_features
+from elsi.draft.resume import CHECKPOINT, load_checkpoint
+from elsi.draft.train import TrainConfig, train_draft
 from elsi.stats.analysis import ANALYSIS, GramRun
 
 CPU = torch.device("cpu")
@@ -160,7 +163,7 @@ def test_garbage_analysis_json_is_recomputed_by_analyze_and_named_by_report(run,
 
 
 def test_stale_analysis_json_is_named_by_report_and_recomputed_by_analyze(run, model_dir, data, tmp_path, capsys):
-    from elsi.collect.store import write_json
+    from elsi.io import write_json
 
     stale = copy_run(run, tmp_path / "stale")
     ana = json.loads((stale / ANALYSIS).read_text())
@@ -583,25 +586,47 @@ def _env(tmp: Path) -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "ELSI_CACHE": str(tmp / "elsi-cache"), "TOKENIZERS_PARALLELISM": "false"}
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """In the child before ``exec``: SIGINT's default action. Under a test run started in the background (``&``,
+    ``nohup``) SIGINT is ignored, and so in every process it starts: a Ctrl-C sent there would land on nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(argv: list[str], tmp: Path, name: str) -> tuple[subprocess.Popen, Path, Path]:
     out, err = tmp / f"{name}.out", tmp / f"{name}.err"
     proc = subprocess.Popen([sys.executable, "-m", "elsi", *argv, "--device", "cpu", "--threads", "1"],
-                            stdout=out.open("w"), stderr=err.open("w"), env=_env(tmp), cwd=tmp)
+                            stdout=out.open("w"), stderr=err.open("w"), env=_env(tmp), cwd=tmp,
+                            preexec_fn=_sigint_as_in_a_terminal)
     return proc, out, err
 
 
 def _run_interrupted(argv, tmp, name, sig, ready, delay: float, timeout: float = 120.0) -> tuple[int, str, str]:
-    """Start ``elsi argv``, wait until ``ready(stderr so far)`` (or the process ends), then ``delay`` seconds, then
-    send ``sig``."""
+    """Start ``elsi argv``, wait until ``ready(stderr so far)``, then ``delay`` seconds, then send ``sig``; checks that
+    the signal landed while the command was at work: it was still running when sent, and it ended in the interrupt
+    path (exit status 130 and the notice; SIGINT, SIGTERM) or killed (-9; SIGKILL). Returns (status, stdout, stderr).
+    """
     proc, out, err = _start(argv, tmp, name)
     t0 = time.monotonic()
-    while proc.poll() is None and not ready(err.read_text()) and time.monotonic() - t0 < timeout:
+    while proc.poll() is None and not ready(err.read_text()):
+        if time.monotonic() - t0 > timeout:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"elsi {argv[0]} not ready to be interrupted after {timeout} s:\n{err.read_text()[-3000:]}")
         time.sleep(0.005)
+    assert proc.poll() is None, (f"elsi {argv[0]} ended (status {proc.returncode}) before it was ready to be "
+                                 f"interrupted:\n{err.read_text()[-3000:]}")
     time.sleep(delay)
-    if proc.poll() is None:
-        proc.send_signal(sig)
+    assert proc.poll() is None, (f"elsi {argv[0]} ended (status {proc.returncode}) within {delay:.2f} s of being "
+                                 f"ready: {signal.Signals(sig).name} would land on nothing; give it more work")
+    proc.send_signal(sig)
     proc.wait(timeout=timeout)
-    return proc.returncode, out.read_text(), err.read_text()
+    rc, stdout, stderr = proc.returncode, out.read_text(), err.read_text()
+    if sig == signal.SIGKILL:
+        assert rc == -signal.SIGKILL, stderr[-3000:]
+    else:
+        assert rc == 130, stderr[-3000:]
+        assert f"elsi {argv[0]}: interrupted; finished work is saved" in stderr
+    return rc, stdout, stderr
 
 
 def _finish(proc_out_err, timeout: float = 180.0) -> tuple[str, str]:
@@ -627,25 +652,28 @@ def _mtime(path: Path) -> int:
 
 @pytest.fixture(scope="module")
 def big_data(tmp_path_factory) -> Path:
-    return write_text_jsonl(tmp_path_factory.mktemp("fault_big") / "text.jsonl", n=120, words=110)
+    return write_text_jsonl(tmp_path_factory.mktemp("fault_big") / "text.jsonl", n=240, words=110)
 
 
 def test_analyze_killed_by_sigint_then_sigkill_resumes_to_the_same_grams(model_dir, big_data, tmp_path, monkeypatch):
     rng = random.Random(20261201)
-    argv = lambda out: ["analyze", "--model", str(model_dir), "--data", str(big_data), "--samples", "120",  # noqa: E731
+    argv = lambda out: ["analyze", "--model", str(model_dir), "--data", str(big_data), "--samples", "240",  # noqa: E731
                         "--max-tokens", "128", "--block", "8", "--out", str(out)]
     _reference(argv(tmp_path / "ref"), tmp_path, monkeypatch)
     run_dir = tmp_path / "cut"
     shards = run_dir / "shards"
     count = lambda: len(list(shards.glob("rank-*/shard-*.safetensors")))  # noqa: E731
-    rc, _, _ = _run_interrupted(argv(run_dir), tmp_path, "int", signal.SIGINT, lambda _: count() >= 1,
-                                rng.uniform(0.0, 0.4))
+    status = lambda: json.loads((run_dir / MANIFEST).read_text())["status"]  # noqa: E731
+    # 240 samples, a shard per 16: a signal sent a shard or two into the run lands while it collects.
+    _run_interrupted(argv(run_dir), tmp_path, "int", signal.SIGINT, lambda _: count() >= 1, rng.uniform(0.0, 0.4))
     before = count()
-    if rc == 130:  # Ctrl-C while collecting: every finished sample was written
-        assert json.loads((run_dir / MANIFEST).read_text())["status"] == "collecting" and before >= 1
+    assert status() == "collecting" and before >= 1  # Ctrl-C while collecting: every finished sample was written
     _run_interrupted(argv(run_dir), tmp_path, "kill", signal.SIGKILL, lambda _: count() > before,
                      rng.uniform(0.0, 0.4))
+    assert status() == "collecting" and count() > before  # killed while collecting, after more shards
     out, err = _finish(_start(argv(run_dir), tmp_path, "final"))
+    resumed = re.search(r"resuming: (\d+) samples already collected", err)
+    assert resumed and 16 < int(resumed[1]) < 240, err[-3000:]
     assert "resuming" not in out
     want, got = grams_of(tmp_path / "ref"), grams_of(run_dir)
     for k in want:
@@ -663,43 +691,50 @@ def test_train_draft_killed_by_sigint_then_sigkill_resumes_to_the_same_weights(m
     rng = random.Random(7)
     argv = lambda out, feat: ["train-draft", "--model", str(model_dir), "--data", str(data), "--samples", "12",  # noqa: E731
                               "--max-tokens", "64", "--layers", "2,5,8", "--out", str(out), "--features-dir", str(feat),
-                              "--draft-vocab", "100", "--ttt", "2", "--epochs", "1000", "--max-steps", "120",
+                              "--draft-vocab", "100", "--ttt", "2", "--epochs", "1000", "--max-steps", "300",
                               "--time-budget", "0", "--batch-size", "2", "--eval-every", "0",
                               "--checkpoint-every", "0.25s"]
     _reference(argv(tmp_path / "ref", tmp_path / "ref-feat"), tmp_path, monkeypatch)
     out, feat = tmp_path / "cut", tmp_path / "feat"
     ck = out / CHECKPOINT
+    step = lambda: load_checkpoint(ck)[1]["state"]["step"]  # noqa: E731
+    trained = lambda: (out / "training.json").exists()  # noqa: E731
+    # 300 steps: a signal sent a second into training lands while it trains.
     rc, _, err = _run_interrupted(argv(out, feat), tmp_path, "int", sig,
-                                  lambda _: (feat / "features.json").exists(), rng.uniform(0.3, 1.0))
-    assert rc in (0, 130), err[-3000:]  # SIGTERM too ends in the interrupt path, not in a killed process (-15)
-    if rc == 130:  # Ctrl-C in the training loop: the finished steps are in a checkpoint, whatever checkpoint_every
-        assert ck.is_file()
-    stamp = _mtime(ck)
+                                  lambda e: re.search(r"step \d+ ep", e) is not None, rng.uniform(0.3, 1.0))
+    assert rc == 130, err[-3000:]  # SIGTERM too ends in the interrupt path, not in a killed process (-15)
+    # Ctrl-C in the training loop: the finished steps are in a checkpoint, whatever checkpoint_every
+    assert ck.is_file() and 0 < step() < 300 and not trained()
+    stamp, first = _mtime(ck), step()
     _run_interrupted(argv(out, feat), tmp_path, "kill", signal.SIGKILL, lambda _: _mtime(ck) != stamp,
                      rng.uniform(0.0, 0.5))
+    assert first < step() < 300 and not trained()  # killed in the training loop, after a checkpoint of its own
     stdout, stderr = _finish(_start(argv(out, feat), tmp_path, "final"))
-    if ck.is_file() and "resumed from" in stderr:
-        assert "resumed" not in stdout  # notices go to stderr
+    assert "resumed from" in stderr
+    assert "resumed" not in stdout  # notices go to stderr
     a, b = load_file(str(tmp_path / "ref" / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rec = json.loads((out / "training.json").read_text())
-    assert rec["steps"] == 120 and rec["heldout"] == json.loads((tmp_path / "ref" / "training.json").read_text())["heldout"]
+    assert rec["steps"] == 300 and rec["heldout"] == json.loads((tmp_path / "ref" / "training.json").read_text())["heldout"]
 
 
 def test_study_killed_by_sigint_then_sigkill_resumes_to_the_same_results(model_dir, run, data, tmp_path, monkeypatch):
     rng = random.Random(11)
     argv = lambda out: ["study", "--model", str(model_dir), "--run", str(run), "--data", str(data),  # noqa: E731
                         "--out", str(out), "--sets", "eagle2", "elsi:2", "--seeds", "0", "--samples", "8",
-                        "--max-tokens", "48", "--draft-vocab", "100", "--max-steps", "40", "--batch-size", "2",
-                        "--train-budget", "0", "--checkpoint-every", "0.2s", "--subtasks", "qa",
+                        "--max-tokens", "48", "--draft-vocab", "100", "--epochs", "1000", "--max-steps", "80",
+                        "--batch-size", "2", "--train-budget", "0", "--checkpoint-every", "0.2s", "--subtasks", "qa",
                         "--questions-per-subtask", "1", "--max-new-tokens", "5", "--temperature", "0",
                         "--tree-nodes", "4", "--depth", "3", "--top-k", "2", "--warmup", "0", "--bootstrap", "0",
                         "--exact-questions-per-subtask", "0"]  # temperature 0 decoded live: the steps it counts
     _reference(argv(tmp_path / "ref"), tmp_path, monkeypatch)
     out = tmp_path / "cut"
-    # Ctrl-C while the first draft trains (or later), then a kill while the second trains or is benchmarked.
+    trained = lambda slug: (out / "drafts" / slug / "training.json").exists()  # noqa: E731
+    # Ctrl-C while the first draft trains, then a kill while the second trains (80 steps each: a second or more).
     _run_interrupted(argv(out), tmp_path, "int", signal.SIGINT, lambda err: "step 3/7" in err, rng.uniform(0.0, 0.4))
+    assert not trained("eagle2-s0") and not (out / "study.json").exists()
     _run_interrupted(argv(out), tmp_path, "kill", signal.SIGKILL, lambda err: "step 5/7" in err, rng.uniform(0.0, 0.4))
+    assert trained("eagle2-s0") and not trained("elsi-2-s0") and not (out / "study.json").exists()
     _finish(_start(argv(out), tmp_path, "final"))
     for slug in ("eagle2-s0", "elsi-2-s0"):
         a = load_file(str(tmp_path / "ref" / "drafts" / slug / "model.safetensors"))
@@ -722,7 +757,7 @@ def test_study_killed_by_sigint_then_sigkill_resumes_to_the_same_results(model_d
 
 
 # ---------------------------------------------------------------------------------------------
-# Two processes, one directory: one writer at a time (``elsi.collect.store.lock``), in real processes.
+# Two processes, one directory: one writer at a time (``elsi.io.lock``), in real processes.
 # A first process is stopped (SIGSTOP) as soon as it holds its lock, so that the second one meets a live
 # holder whatever the machine's speed; it is let go (SIGCONT) once the second has shown what it does.
 

@@ -19,7 +19,7 @@ from elsi.report.study import condition_table
 from elsi.select.run import SelectConfig, Selector
 from elsi.stats.sampling import resample_weights
 from elsi.study import make_plan, parse_set, rankdata, resolve_sets, spearman, study_markdown, summarize_study
-from elsi.study.plan import set_seeds
+from elsi.study.plan import StudyPlan, set_seeds
 
 SUBTASKS = ["mt_bench", "qa"]
 
@@ -142,14 +142,16 @@ def test_summary_numbers_gaps_and_verdict():
     qs = [(1, "mt_bench"), (2, "mt_bench"), (3, "qa")]
     plan = {"model": "m", "num_layers": 8, "seeds": [0, 1],
             "settings": {"run": "r", "bench": {"temperature": [0.0], "tree_nodes": [4]}},
-            "sets": [{"name": "eagle3", "method": "eagle3", "m": 3, "layers": [2, 4, 5], "entropy": 1.0},
-                     {"name": "elsi:3", "method": "elsi", "m": 3, "layers": [1, 5, 8], "entropy": 1.2}]}
+            "sets": [{"name": "eagle3", "method": "eagle3", "m": 3, "layers": [2, 4, 5], "entropy": 1.0,
+                      "entropy_normalized": 0.4},
+                     {"name": "elsi:3", "method": "elsi", "m": 3, "layers": [1, 5, 8], "entropy": 1.2,
+                      "entropy_normalized": 0.5}]}
     baseline = {"answers": [_answer(q, s, 0.0, None, 10, 10, "plain", time_s=2.0) for q, s in qs]}
     # (set, seed) -> accepted tokens per question (10 steps each): eagle3 τ 2.0 / 2.1, elsi:3 τ 3.0 / 2.9.
     acc = {("eagle3", 0): [20, 20, 20], ("eagle3", 1): [21, 21, 21], ("elsi:3", 0): [30, 30, 30],
            ("elsi:3", 1): [29, 29, 29]}
     benches = {k: {"answers": [_answer(q, s, 0.0, 4, 10, a) for (q, s), a in zip(qs, v)]} for k, v in acc.items()}
-    study = summarize_study(plan, benches, baseline, bootstrap=100)
+    study = summarize_study(StudyPlan.from_json(plan), benches, baseline, bootstrap=100)
     assert [c["label"] for c in study["conditions"]] == ["T = 0, 4 nodes", "all conditions pooled"]
     rows = {r["name"]: r for r in study["conditions"][0]["sets"]}
     assert rows["eagle3"]["tau_all"] == pytest.approx(2.05) and rows["elsi:3"]["tau_all"] == pytest.approx(2.95)
@@ -173,12 +175,14 @@ def test_summary_gaps_per_subtask_against_a_direct_count():
     qs = [(1, "mt_bench"), (2, "mt_bench"), (3, "qa"), (4, "qa")]
     plan = {"model": "m", "num_layers": 8, "seeds": [0],
             "settings": {"run": "r", "bench": {"temperature": [0.0], "tree_nodes": [4]}},
-            "sets": [{"name": "eagle3", "method": "eagle3", "m": 3, "layers": [2, 4, 5], "entropy": 1.0},
-                     {"name": "elsi:3", "method": "elsi", "m": 3, "layers": [1, 5, 8], "entropy": 1.2}]}
+            "sets": [{"name": "eagle3", "method": "eagle3", "m": 3, "layers": [2, 4, 5], "entropy": 1.0,
+                      "entropy_normalized": 0.4},
+                     {"name": "elsi:3", "method": "elsi", "m": 3, "layers": [1, 5, 8], "entropy": 1.2,
+                      "entropy_normalized": 0.5}]}
     baseline = {"answers": [_answer(q, s, 0.0, None, 10, 10, "plain") for q, s in qs]}
     acc = {("eagle3", 0): [20, 20, 20, 24], ("elsi:3", 0): [20, 20, 26, 34]}
     benches = {k: {"answers": [_answer(q, s, 0.0, 4, 10, a) for (q, s), a in zip(qs, v)]} for k, v in acc.items()}
-    study = summarize_study(plan, benches, baseline, bootstrap=300)
+    study = summarize_study(StudyPlan.from_json(plan), benches, baseline, bootstrap=300)
     (gap,) = study["conditions"][0]["gaps"]
     mt, qa = gap["subtasks"]["mt_bench"], gap["subtasks"]["qa"]
     assert mt["delta"] == pytest.approx(0.0) and mt["ci_low"] == pytest.approx(0.0) == mt["ci_high"]
@@ -220,7 +224,7 @@ def test_speedups_are_against_plain_decoding_timed_on_the_same_machine(tmp_path)
     """A study resumed on another machine times plain decoding again there: each draft's speed-up is against its own
     machine's, never a slower machine's tokens/s over a faster one's; a draft with no baseline of its machine has
     none (its τ stands)."""
-    from elsi.collect.store import write_json
+    from elsi.io import write_json
     from elsi.specbench.runner import timing_key
     from elsi.study.run import baseline_path, baseline_paths
 
@@ -242,7 +246,7 @@ def test_speedups_are_against_plain_decoding_timed_on_the_same_machine(tmp_path)
     runs = {("eagle3", 0): (fast, 0.5), ("eagle3", 1): (slow, 2.0), ("elsi:3", 0): (slow, 2.0), ("elsi:3", 1): (other, 1)}
     benches = {k: {"machine": m, "answers": [_answer(q, s, 0.0, 4, 10, 20, time_s=t) for q, s in qs]}
                for k, (m, t) in runs.items()}
-    study = summarize_study(plan, benches, base, bootstrap=0)
+    study = summarize_study(StudyPlan.from_json(plan), benches, base, bootstrap=0)
     rows = {r["name"]: r for r in study["conditions"][0]["sets"]}
     assert rows["eagle3"]["speedup_vs_plain"] == pytest.approx(2.0)  # 0.25 and 3.5 if both were against one machine
     assert rows["elsi:3"]["speedup_vs_plain"] == pytest.approx(2.0)  # s0 alone: s1 has no baseline
@@ -254,7 +258,8 @@ def test_speedups_are_against_plain_decoding_timed_on_the_same_machine(tmp_path)
     assert re.search(r"\| machine +\| drafts benchmarked there +\|", md) and "eagle3 s1, elsi:3 s0" in md
     assert "they have no speed-up (their τ stands): elsi:3 s1 (GPU box, 2 threads)." in md
     # one machine: the old single-baseline table, unchanged
-    one = summarize_study(plan, {k: {**b, "machine": fast} for k, b in benches.items()}, base[0], bootstrap=0)
+    one = summarize_study(StudyPlan.from_json(plan), {k: {**b, "machine": fast} for k, b in benches.items()}, base[0],
+                          bootstrap=0)
     assert one["without_baseline"] == [] and "| machine |" not in study_markdown(one)
 
     # Where each machine's baseline goes: the first is baseline.json, another machine's its own file; the load
@@ -288,7 +293,7 @@ def test_summary_with_one_multi_seed_set():
     # No draft of eagle2 or elsi:3 with seed 1: the summary must not need one.
     acc = {("eagle2", 0): [15, 15], ("eagle3", 0): [20, 20], ("eagle3", 1): [22, 22], ("elsi:3", 0): [30, 28]}
     benches = {k: {"answers": [_answer(q, s, 0.0, 4, 10, a) for (q, s), a in zip(qs, v)]} for k, v in acc.items()}
-    study = summarize_study(plan, benches, baseline, bootstrap=50)
+    study = summarize_study(StudyPlan.from_json(plan), benches, baseline, bootstrap=50)
     assert study["seeds"] == [0, 1] and [s["seeds"] for s in study["sets"]] == [[0], [0, 1], [0]]
     for cond in study["conditions"]:
         rows = {r["name"]: r for r in cond["sets"]}
@@ -502,7 +507,7 @@ def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_
     from elsi.study import prepare_study
 
     plan["settings"]["bench"]["max_new_tokens"] = 6
-    prepare_study(out, plan, restart=True)
+    prepare_study(out, StudyPlan.from_json(plan), restart=True)
     assert not (out / "drafts").exists() and not (out / "bench").exists() and not (out / "study.json").exists()
     assert (out / "features" / "features.json").is_file() and json.loads((out / "plan.json").read_text()) == plan
 
@@ -622,16 +627,18 @@ def _model_study(model, elsi_gain_per_question, seeds_noise=0.0):
     plan = {"model": model, "num_layers": 8, "seeds": [0, 1],
             "settings": {"run": "r", "bench": {"temperature": [0.0], "tree_nodes": [4]}},
             "sets": [{"name": "eagle3", "method": "eagle3", "m": 3, "layers": [2, 4, 5], "entropy": 1.0,
-                      "seeds": [0, 1]},
-                     {"name": "elsi:1", "method": "elsi", "m": 1, "layers": [5], "entropy": 0.9, "seeds": [0]},
-                     {"name": "elsi:3", "method": "elsi", "m": 3, "layers": [1, 5, 8], "entropy": 1.2, "seeds": [0]}]}
+                      "entropy_normalized": 0.4, "seeds": [0, 1]},
+                     {"name": "elsi:1", "method": "elsi", "m": 1, "layers": [5], "entropy": 0.9,
+                      "entropy_normalized": 0.35, "seeds": [0]},
+                     {"name": "elsi:3", "method": "elsi", "m": 3, "layers": [1, 5, 8], "entropy": 1.2,
+                      "entropy_normalized": 0.5, "seeds": [0]}]}
     baseline = {"answers": [_answer(q, s, 0.0, None, 10, 10, "plain") for q, s in qs]}
     rng = np.random.default_rng(0)
     base = [20 + int(rng.integers(0, 3)) for _ in qs]
     acc = {("eagle3", 0): base, ("eagle3", 1): [a + seeds_noise for a in base], ("elsi:1", 0): base,
            ("elsi:3", 0): [a + g for a, g in zip(base, elsi_gain_per_question)]}
     benches = {k: {"answers": [_answer(q, s, 0.0, 4, 10, a) for (q, s), a in zip(qs, v)]} for k, v in acc.items()}
-    return summarize_study(plan, benches, baseline, bootstrap=200)
+    return summarize_study(StudyPlan.from_json(plan), benches, baseline, bootstrap=200)
 
 
 def test_compare_studies_tests_the_compartment_explanation(tmp_path):
@@ -750,6 +757,13 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     assert [(c["temperature"], c["tree_nodes"]) for c in study["conditions"]] == [
         (0.0, 2), (0.0, 4), (1.0, 2), (1.0, 4), (0.0, None), (None, None)]
     assert [c["questions"] for c in study["conditions"]] == [4, 4, 2, 2, 4, 4]
+    for cond in study["conditions"]:  # the exact evaluator times nothing: tok/s and speed-ups "–", never 0.0
+        header, table = condition_table(cond, study["subtasks"])
+        speed = {(r[header.index("tok/s")], r[header.index("vs plain")]) for r in table}
+        if cond["exact"]:
+            assert all(r["tokens_per_s"] is None for r in cond["sets"]) and speed == {("–", "–")}
+        else:  # temperature 1 decoded live (pooled with the exact τ: its timed answers only)
+            assert all(r["tokens_per_s"] > 0 for r in cond["sets"]) and "–" not in {t for t, _ in speed}
     target = load_target(str(tiny_dir))
     for s in plan["sets"]:
         for seed in (0, 1):

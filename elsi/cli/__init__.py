@@ -15,7 +15,7 @@ import threading
 import warnings
 
 from elsi.cli.common import Command, build_configs, writing
-from elsi.config import add_dataclass_args
+from elsi.config import add_dataclass_args, argparse_text
 
 # Modules defining ``COMMANDS: list[Command]``, in pipeline order.
 COMMAND_MODULES = ("elsi.cli.analyze", "elsi.cli.select", "elsi.cli.engines", "elsi.cli.check", "elsi.cli.draft",
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for cmd in commands():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        # argparse %-formats a sub-command's help (its line in `elsi --help`), not its description
+        p = sub.add_parser(cmd.name, help=argparse_text(cmd.help), description=cmd.help)
         for cls in cmd.configs:
             add_dataclass_args(p, cls, skip=cmd.skip.get(cls, ()))
         p.set_defaults(_command=cmd)

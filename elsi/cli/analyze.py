@@ -11,9 +11,10 @@ from tqdm import tqdm
 
 from elsi.cli.common import Command, Runtime, check_inputs, is_main_process, print_json
 from elsi.collect.collector import CollectConfig, Progress, collect, existing_run, grams_problem
-from elsi.collect.store import GRAMS, RunError, read_json, tensors_checksum
+from elsi.collect.store import GRAMS
 from elsi.config import opt
 from elsi.data import load_dataset
+from elsi.io import RunError, read_json, tensors_checksum
 from elsi.models import load_target
 from elsi.stats.analysis import ANALYSIS, AnalysisConfig, GramRun, analyze_run
 from elsi.text import md_table

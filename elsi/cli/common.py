@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from elsi.collect.store import lock
 from elsi.config import from_args, opt
-from elsi.models import resolve_device
+from elsi.io import lock
+from elsi.runtime import resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,7 +33,7 @@ class Command:
     # keeps its default, a required one is given "" (the instance is then a template).
     skip: Mapping[type, tuple[str, ...]] = field(default_factory=dict)
     # What the command writes and later reads back or resumes, from its configs (called like ``run``):
-    # (path, what it is) pairs, each locked (``elsi.collect.store.lock``) before the command starts, so that
+    # (path, what it is) pairs, each locked (``elsi.io.lock``) before the command starts, so that
     # a second process writing the same output is refused before any model loads.
     writes: Callable[..., list[tuple[str | Path, str]]] | None = None
 
@@ -77,7 +77,7 @@ class Runtime:
         """The target's dtype on ``device`` (``bulk``: for long-sequence forwards, see ``setup``); an explicit
         bfloat16 where it is emulated warns."""
         if self.dtype in ("bfloat16", "auto"):
-            from elsi.models.adapters import fast_bf16
+            from elsi.runtime import fast_bf16
 
             fast, why = fast_bf16(device)
             if self.dtype == "auto":

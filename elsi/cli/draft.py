@@ -11,13 +11,13 @@ from tqdm import tqdm
 
 from elsi.cli.common import Command, Runtime, check_inputs, is_main_process, print_json
 from elsi.data import load_dataset
-from elsi.collect.store import write_json
 from elsi.decode.drafters import check_draft_spec
 from elsi.draft.evaluate import EvalConfig, evaluate_draft, subtask_list, trained_depth
 from elsi.draft.features import FeatureConfig, Progress as FeatureProgress, build_features, parse_layers
 from elsi.draft.model import Eagle3Draft
 from elsi.draft.train import Progress, TrainConfig, parse_duration, train_draft
 from elsi.engines import warn_engines
+from elsi.io import write_json
 from elsi.models import load_target
 from elsi.specbench.answers import greedy_answers
 from elsi.specbench.exact import ExactConfig, exact_rows, exact_tau

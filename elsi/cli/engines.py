@@ -12,8 +12,9 @@ from pathlib import Path
 from elsi.config import opt
 from elsi.cli.common import Command
 from elsi.decode.drafters import check_draft_spec
+from elsi.draft.compat import upgrade_draft
 from elsi.engines import FORMATS, check_for_engine, export_fragment
-from elsi.engines.configs import DEFAULT_M, upgrade_draft
+from elsi.engines.configs import DEFAULT_M
 from elsi.models import resolve_model
 from elsi.select import chosen_layers
 from elsi.stats.analysis import parse_layers
@@ -97,8 +98,9 @@ def _recorded_shape_default(facts, trust_remote_code: bool) -> ExportTarget:
 def export_target(args: ExportArgs, trust_remote_code: bool = False) -> ExportTarget:
     """The target an export is for, from the record of --run or --draft, never a default: --model alone where
     nothing records one; a --model whose N or hidden size contradicts the record is an error naming both."""
-    from elsi.collect.store import MANIFEST, read_json
+    from elsi.collect.store import MANIFEST
     from elsi.engines.check import model_facts, read_draft
+    from elsi.io import read_json
     from elsi.models.load import check_model
 
     given = None

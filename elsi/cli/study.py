@@ -13,7 +13,6 @@ from tqdm import tqdm
 
 from elsi.cli.analyze import run_dir_for
 from elsi.cli.common import Command, Runtime, check_inputs
-from elsi.collect.store import read_json
 from elsi.config import opt
 from elsi.data import load_dataset
 from elsi.draft.features import FeatureConfig
@@ -22,8 +21,8 @@ from elsi.models import load_target
 from elsi.report import build_report
 from elsi.report.study import condition_table, spearman_line
 from elsi.study import PLAN, Hooks, StudyConfig, make_plan, prepare_study, run_study
-from elsi.study.plan import layer_sets, plan_seeds, require_same_settings
-from elsi.study.run import check_precision, draft_complete, draft_dir
+from elsi.study.plan import load_plan, require_same_settings
+from elsi.study.run import StudyRun, check_precision, draft_complete, draft_dir
 from elsi.study.summary import claims_condition
 from elsi.text import md_table
 
@@ -99,9 +98,9 @@ def check_study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, device
         print(f"{cfg.out}: {'--restart' if cfg.restart else 'no ' + PLAN + ' yet'}: a new study, nothing to check")
         return 0
     require_same_settings(cfg.out, cfg, fcfg, tcfg)
-    plan = read_json(path)
+    plan = load_plan(cfg.out)
     here = check_precision(cfg.out, plan, feature_dtype, tcfg.train_dtype, device)
-    done = sum(draft_complete(draft_dir(cfg.out, s, seed)) for s in layer_sets(plan) for seed in plan_seeds(plan)[s.name])
+    done = sum(draft_complete(draft_dir(cfg.out, s, seed)) for s, seed in plan.drafts)
     print(f"{cfg.out}: can go on here: the settings match {path} (the analysis's are checked once it exists) and "
           f"{done} finished draft(s) were trained as this run would train the rest ({here})")
     return 0
@@ -115,21 +114,21 @@ def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime)
         return check_study(cfg, fcfg, tcfg, device, str(feature_dtype).removeprefix("torch."))
     run_dir = run_dir_for(cfg.run, fcfg.model)
     plan = make_plan(cfg, fcfg, tcfg, run_dir)  # selection first: a bad set is an error before the model loads
-    if plan["run_model"] not in (None, fcfg.model):
-        warnings.warn(f"the analysis in {run_dir} is of model {plan['run_model']!r}, the study trains drafts for "
+    if plan.run_model not in (None, fcfg.model):
+        warnings.warn(f"the analysis in {run_dir} is of model {plan.run_model!r}, the study trains drafts for "
                       f"{fcfg.model!r}")
-    if plan["vllm"]["sets"]:  # before hours of training: vLLM's environment and the precision it compares in
+    if plan.vllm_sets:  # before hours of training: vLLM's environment and the precision it compares in
         from elsi.engines.vllm import check_vllm_eagle3, require_float32, vllm_python
 
         vllm_python()
         require_float32(dtype, "--vllm-sets")
     prepare_study(cfg.out, plan, cfg.restart)
     print(md_table(["set", "layers", "entropy (nats)", "seeds"],
-                   [[s["name"], ",".join(map(str, s["layers"])), f"{s['entropy']:.4f}", ",".join(map(str, s["seeds"]))]
-                    for s in plan["sets"]]), file=sys.stderr)
+                   [[s.name, ",".join(map(str, s.layers)), f"{s.entropy:.4f}",
+                     ",".join(map(str, plan.draft_seeds[s.name]))] for s in plan.sets]), file=sys.stderr)
     torch.manual_seed(fcfg.seed)  # the one global seed (HF internals); drafts get theirs injected
     target = load_target(fcfg.model, device, dtype, rt.trust_remote_code)
-    if plan["vllm"]["sets"]:
+    if plan.vllm_sets:
         check_vllm_eagle3(target.model)
     features_target = None if feature_dtype == dtype else (
         lambda: load_target(fcfg.model, device, feature_dtype, rt.trust_remote_code))
@@ -137,9 +136,9 @@ def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime)
     bars = _Bars(fcfg, cfg, tcfg)
     command = "elsi study " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else "elsi study"
     try:
-        res = run_study(target, dataset, plan, cfg, fcfg, tcfg, device,
-                        Hooks(step=bars.step, features=bars.features, train=bars.train, bench=bars.bench,
-                              vllm=bars.vllm, exact=bars.exact), command,
+        hooks = Hooks(step=bars.step, features=bars.features, train=bars.train, bench=bars.bench, vllm=bars.vllm,
+                      exact=bars.exact)
+        res = run_study(StudyRun(target, plan, cfg, fcfg, tcfg, device, hooks), dataset, command,
                         features_target, str(feature_dtype).removeprefix("torch."))
     finally:
         bars.close()
@@ -168,7 +167,7 @@ class CompareArgs:
 
 
 def compare(args: CompareArgs) -> int:
-    from elsi.collect.store import write_json
+    from elsi.io import write_json
     from elsi.report.figures import models_tau_entropy
     from elsi.study.compare import compare_studies, comparison_markdown, load_pair
 

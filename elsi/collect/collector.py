@@ -3,7 +3,7 @@
 Resumable: finished samples are written to shards atomically; a Ctrl-C writes the
 pending samples first; a kill loses at most the samples since the last shard. Running
 the same command again continues from the shards and never counts a sample twice; running
-it twice at once is refused (the run directory's lock, ``elsi.collect.store.lock``).
+it twice at once is refused (the run directory's lock, ``elsi.io.lock``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import shutil
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from elsi.collect.grams import NORMALIZE, block_grams, blocks_of, filter_positions, kept_count, token_entropy
-from elsi.collect.store import (GRAMS, MANIFEST, VARIANTS, RunError, ShardStore, analyze_command, lock, read_json,
-                                save_tensors, verify_tensors, write_json)
-from elsi.data import Dataset, data_fingerprint, iter_tokenized
+from elsi.collect.store import GRAMS, MANIFEST, VARIANTS, ShardStore, analyze_command
+from elsi.data import Dataset, Sample, data_fingerprint, iter_tokenized
 from elsi.config import opt
+from elsi.io import RunError, lock, read_json, save_tensors, verify_tensors, write_json
 from elsi.models import DEFAULT_MODEL, Target
+from elsi.runtime import barrier, dist_info
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,36 @@ class Progress:
 
 @dataclass
 class _Pending:
-    records: list[dict] = field(default_factory=list)
-    parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Finished samples not yet written to a shard of ``store``, and when the last shard was written."""
+
+    store: ShardStore
+    records: list[dict] = field(default_factory=list)  # one per sample
+    parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # "grams"/"block_local" + variant -> per sample
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)  # "block_sum" + variant -> (N+1, B, d)
+    last_flush: float = field(default_factory=time.perf_counter)
+
+    def add(self, record: dict, grams: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One sample: its ``record`` and, per variant, its blocks' Grams (nb, N+1, P) and block sum (N+1, B, d)."""
+        for v, (g, bsum) in grams.items():
+            self.parts.setdefault("grams" + v, []).append(g)
+            local = torch.full((g.shape[0],), len(self.records), dtype=torch.int64)  # (nb,) the sample in the shard
+            self.parts.setdefault("block_local" + v, []).append(local)
+            key = "block_sum" + v
+            self.sums[key] = bsum if key not in self.sums else self.sums[key] + bsum
+        self.records.append(record)
+
+    def due(self, every: int, seconds: float) -> bool:
+        """Whether a shard is due: ``every`` samples pending, or ``seconds`` since the last one."""
+        return len(self.records) >= every or time.perf_counter() - self.last_flush > seconds
+
+    def flush(self) -> None:
+        """Write the pending samples (if any) as one shard."""
+        if self.records:
+            self.store.write(self.records, self.parts, self.sums)
+            self.records.clear()
+            self.parts.clear()
+            self.sums.clear()
+        self.last_flush = time.perf_counter()
 
 
 def package_versions() -> dict[str, str]:
@@ -184,22 +212,6 @@ def _forward(target: Target, ids: list[int]) -> tuple[torch.Tensor, list[torch.T
     return out.logits[0], [h[0] for h in out.hidden_states]
 
 
-def dist_info() -> tuple[int, int]:
-    """(rank, world size) under torch.distributed (torchrun), else (0, 1)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def collect(
     target: Target,
     dataset: Dataset,
@@ -226,97 +238,117 @@ def collect(
 def _collect(target: Target, dataset: Dataset, cfg: CollectConfig, run_dir: Path,
              on_progress: Callable[[Progress], None] | None, flush_every: int, flush_seconds: float, rank: int,
              world: int) -> dict:
-    """``collect`` in process ``rank`` of ``world``, rank 0 holding the run directory's lock."""
-    fingerprint = dataset.fingerprint or None
-    if rank == 0:
-        man = existing_run(run_dir, cfg, fingerprint)
-        if man is not None and man.get("status") == "complete":
-            problem = grams_problem(run_dir)
-            if problem:  # the shards are gone once merged: the run is collected again
-                warnings.warn(f"{problem}; collecting {run_dir} again")
-                man = None
-        if man is None:
-            man = start_manifest(run_dir, cfg, target, fingerprint)
-        elif man.get("status") != "complete":  # resuming: the samples still to come in the same precision
-            had, now = man.get("target_dtype", "float32"), target.dtype_name
-            if had != now:
-                raise RunError(f"{run_dir} was partly collected with the target in {had}, this run has it in "
-                               f"{now}: pass --dtype {had} to finish it (its samples are kept), or use another --out")
-    _barrier()
+    """``collect`` in process ``rank`` of ``world``, rank 0 holding the run directory's lock.
+
+    Step 1: rank 0 opens the run (``_open_run``), the others then read its manifest. Step 2: each rank forwards
+    its samples into shards (``_collect_samples``). Step 3: rank 0 merges every rank's shards (``_finish``).
+    """
+    man = _open_run(target, cfg, run_dir, dataset.fingerprint or None) if rank == 0 else None
+    barrier()
     if rank != 0:
         man = read_manifest(run_dir)  # rank 0 has checked it
     if man.get("status") == "complete":
         return man
     store = ShardStore(run_dir, rank)
     done = store.done()
-    done_idx = {r["index"] for r in done}
-    skipped: Counter = Counter()  # samples drawn but not used, by reason
-    pending = _Pending()
-    used = len(done)
-    t0, tokens_seen, last_flush = time.perf_counter(), 0, time.perf_counter()
-
-    def flush() -> None:
-        nonlocal last_flush
-        if pending.records:
-            store.write(pending.records, pending.parts, pending.sums)
-            pending.records.clear()
-            pending.parts.clear()
-            pending.sums.clear()
-        last_flush = time.perf_counter()
-
-    seen = 0
+    pending = _Pending(store)
     try:
-        for idx, sample, ids in iter_tokenized(dataset, target.tokenizer, cfg.max_tokens, cfg.seed):
-            if seen >= cfg.samples:
-                break
-            if isinstance(ids, str):
-                skipped[ids] += 1
-                continue
-            if kept_count(len(ids), cfg.rho) < cfg.block:
-                skipped["too_short"] += 1
-                continue
-            position, seen = seen, seen + 1
-            if idx in done_idx or position % world != rank:
-                continue  # finished in an earlier invocation, or another rank's sample
-            logits, hidden = _forward(target, ids)
-            ent = token_entropy(logits)  # (T,)
-            record = {"position": position, "index": idx, "id": sample.id, "tokens": len(ids)}
-            for v, rho in zip(VARIANTS, (cfg.rho, 0.0)):
-                pos = filter_positions(ent, rho)  # (kept,)
-                blocks = blocks_of(pos, cfg.block)  # (nb, B)
-                grams, bsum = block_grams(hidden, blocks, cfg.normalize)
-                pending.parts.setdefault("grams" + v, []).append(grams)
-                local = torch.full((grams.shape[0],), len(pending.records), dtype=torch.int64)
-                pending.parts.setdefault("block_local" + v, []).append(local)
-                key = "block_sum" + v
-                pending.sums[key] = bsum if key not in pending.sums else pending.sums[key] + bsum
-                record["kept" + v] = int(pos.numel())
-                record["blocks" + v] = int(blocks.shape[0])
-            record["mean_token_entropy"] = float(ent[1:].mean())
-            pending.records.append(record)
-            used += 1
-            tokens_seen += len(ids)
-            if len(pending.records) >= flush_every or time.perf_counter() - last_flush > flush_seconds:
-                flush()
-            if on_progress:
-                on_progress(Progress(used, cfg.samples, tokens_seen, time.perf_counter() - t0, len(done)))
+        skipped = _collect_samples(target, dataset, cfg, pending, done, rank, world, on_progress, flush_every,
+                                   flush_seconds)
     except KeyboardInterrupt:
-        flush()  # keep every finished sample
+        pending.flush()  # keep every finished sample
         raise
     except Exception as err:  # the shards written so far stay; the manifest says what failed
         if rank == 0:
             _mark_failed(run_dir, man, err)
         raise
-    flush()
-    _barrier()
+    pending.flush()
+    barrier()
     if rank == 0:
         try:
             man = _finish(run_dir, man, store, skipped, dict(dataset.skipped))
         except RunError as err:
             _mark_failed(run_dir, man, err)
             raise
-    _barrier()
+    barrier()
     return man if rank == 0 else read_json(run_dir / MANIFEST)
+
+
+def _open_run(target: Target, cfg: CollectConfig, run_dir: Path, fingerprint: dict | None) -> dict:
+    """The manifest of the run in ``run_dir`` to finish (or, complete, to return), or of a new one where there is
+    none or its Gram tensor is damaged; RunError where a partly collected run had the target in another dtype."""
+    man = existing_run(run_dir, cfg, fingerprint)
+    if man is not None and man.get("status") == "complete":
+        problem = grams_problem(run_dir)
+        if problem:  # the shards are gone once merged: the run is collected again
+            warnings.warn(f"{problem}; collecting {run_dir} again")
+            man = None
+    if man is None:
+        return start_manifest(run_dir, cfg, target, fingerprint)
+    if man.get("status") != "complete":  # resuming: the samples still to come in the same precision
+        had, now = man.get("target_dtype", "float32"), target.dtype_name
+        if had != now:
+            raise RunError(f"{run_dir} was partly collected with the target in {had}, this run has it in "
+                           f"{now}: pass --dtype {had} to finish it (its samples are kept), or use another --out")
+    return man
+
+
+def _draw(dataset: Dataset, tokenizer, cfg: CollectConfig,
+          skipped: Counter) -> Iterator[tuple[int, int, Sample, list[int]]]:
+    """The run's ``cfg.samples`` usable samples in the seed's order -> (position among them, index in the data,
+    sample, token ids); a sample drawn but not usable (no full block after filtering, a template error) is counted
+    in ``skipped`` by reason, before any forward pass."""
+    seen = 0
+    for idx, sample, ids in iter_tokenized(dataset, tokenizer, cfg.max_tokens, cfg.seed):
+        if seen >= cfg.samples:
+            break
+        if isinstance(ids, str):
+            skipped[ids] += 1
+            continue
+        if kept_count(len(ids), cfg.rho) < cfg.block:
+            skipped["too_short"] += 1
+            continue
+        position, seen = seen, seen + 1
+        yield position, idx, sample, ids
+
+
+def _sample_grams(target: Target, ids: list[int], cfg: CollectConfig
+                  ) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """One sample's forward (docs/design.md, Statistics, steps 1-5) -> (its counts for the record: kept positions
+    and blocks per variant, mean token entropy; variant -> (Grams (nb, N+1, P), block sum (N+1, B, d)))."""
+    logits, hidden = _forward(target, ids)
+    ent = token_entropy(logits)  # (T,)
+    counts, grams = {}, {}
+    for v, rho in zip(VARIANTS, (cfg.rho, 0.0)):
+        pos = filter_positions(ent, rho)  # (kept,)
+        blocks = blocks_of(pos, cfg.block)  # (nb, B)
+        grams[v] = block_grams(hidden, blocks, cfg.normalize)
+        counts["kept" + v] = int(pos.numel())
+        counts["blocks" + v] = int(blocks.shape[0])
+    counts["mean_token_entropy"] = float(ent[1:].mean())
+    return counts, grams
+
+
+def _collect_samples(target: Target, dataset: Dataset, cfg: CollectConfig, pending: _Pending, done: list[dict],
+                     rank: int, world: int, on_progress: Callable[[Progress], None] | None, flush_every: int,
+                     flush_seconds: float) -> Counter:
+    """Forward the samples of rank ``rank`` not ``done`` yet, each added to ``pending``, written out as a shard
+    every ``flush_every`` samples or ``flush_seconds`` -> the samples drawn but not used, by reason."""
+    skipped: Counter = Counter()
+    done_idx = {r["index"] for r in done}
+    used, tokens_seen, t0 = len(done), 0, time.perf_counter()
+    for position, idx, sample, ids in _draw(dataset, target.tokenizer, cfg, skipped):
+        if idx in done_idx or position % world != rank:
+            continue  # finished in an earlier invocation, or another rank's sample
+        counts, grams = _sample_grams(target, ids, cfg)
+        pending.add({"position": position, "index": idx, "id": sample.id, "tokens": len(ids), **counts}, grams)
+        used += 1
+        tokens_seen += len(ids)
+        if pending.due(flush_every, flush_seconds):
+            pending.flush()
+        if on_progress:
+            on_progress(Progress(used, cfg.samples, tokens_seen, time.perf_counter() - t0, len(done)))
+    return skipped
 
 
 def _finish(run_dir: Path, man: dict, store: ShardStore, skipped: Counter, unusable: dict) -> dict:

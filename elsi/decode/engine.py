@@ -202,6 +202,19 @@ class _Clock:
         self.last = now
 
 
+@dataclass(frozen=True)
+class _Loop:
+    """What every decoding step of one ``generate`` call reads."""
+
+    runner: TargetRunner  # the target
+    cfg: DecodeConfig  # temperature, top-p, the length limit
+    eos: frozenset[int]  # the tokens that stop decoding
+    generator: torch.Generator | None  # the sampler's randomness (temperature > 0)
+    clock: _Clock  # the profile of the phases
+    layers: tuple[int, ...] = ()  # the drafter's feature layers (none: plain decoding)
+    tree: TreeConfig = field(default_factory=TreeConfig)  # the draft tree's shape
+
+
 def _take(new: list[int], proposed: Sequence[int], eos: Collection[int], limit: int) -> tuple[list[int], bool]:
     """Append ``proposed`` to ``new`` up to the first EOS or ``limit`` tokens; (added, stopped)."""
     added = []
@@ -241,25 +254,25 @@ def generate(runner: TargetRunner, prompt: Sequence[int], cfg: DecodeConfig, dra
     clock.lap("prefill")
     prefill_s = clock.sums["prefill"]
     cache_len = len(prompt)  # positions in the target's cache; new[-1] is not in it yet
+    loop = _Loop(runner, cfg, eos, generator, clock, layers, tree)
     if drafter is None:
-        accepted, sizes = _plain_steps(runner, cache, cache_len, new, stopped, cfg, eos, generator, clock)
+        accepted, sizes = _plain_steps(loop, cache, cache_len, new, stopped)
     else:
         session = drafter.start()
         accepted, sizes = [], []
         if not stopped:
             root_logits = session.commit(torch.cat([prompt_t, prompt_t.new_tensor([first])]), feats)  # (V_d,)
             clock.lap("commit")
-            accepted, sizes = _tree_steps(runner, cache, cache_len, new, session, root_logits, layers, cfg, tree,
-                                          eos, generator, clock)
+            accepted, sizes = _tree_steps(loop, cache, cache_len, new, session, root_logits)
     total = time.perf_counter() - t0
     return Generation(tokens=new, accepted=accepted, stop="eos" if new[-1] in eos else "length",
                       prompt_tokens=len(prompt), prefill_s=prefill_s, total_s=total, tree_sizes=sizes,
                       profile=clock.sums)
 
 
-def _plain_steps(runner: TargetRunner, cache, cache_len: int, new: list[int], stopped: bool, cfg: DecodeConfig,
-                 eos: frozenset[int], generator, clock: _Clock) -> tuple[list[int], list[int]]:
+def _plain_steps(loop: _Loop, cache, cache_len: int, new: list[int], stopped: bool) -> tuple[list[int], list[int]]:
     """Plain decoding: one target forward per token. Appends to ``new``; (accepted, tree sizes)."""
+    runner, cfg, clock = loop.runner, loop.cfg, loop.clock
     dev = runner.device
     accepted: list[int] = []
     while not stopped:
@@ -267,48 +280,48 @@ def _plain_steps(runner: TargetRunner, cache, cache_len: int, new: list[int], st
         hidden, _ = runner.forward(tok_t, torch.tensor([cache_len], device=dev), cache)  # (1, d)
         cache_len += 1
         clock.lap("target")
-        tok = choose(runner.logits(hidden)[0], cfg.temperature, cfg.top_p, generator)
-        added, stopped = _take(new, [tok], eos, cfg.max_new_tokens)
+        tok = choose(runner.logits(hidden)[0], cfg.temperature, cfg.top_p, loop.generator)
+        added, stopped = _take(new, [tok], loop.eos, cfg.max_new_tokens)
         accepted.append(len(added))
         clock.lap("head")
     return accepted, [1] * len(accepted)
 
 
-def _tree_steps(runner: TargetRunner, cache, cache_len: int, new: list[int], session: DraftSession,
-                root_logits: torch.Tensor, layers: tuple[int, ...], cfg: DecodeConfig, tree: TreeConfig,
-                eos: frozenset[int], generator, clock: _Clock) -> tuple[list[int], list[int]]:
+def _tree_steps(loop: _Loop, cache, cache_len: int, new: list[int], session: DraftSession,
+                root_logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """Speculative steps until EOS or the length limit (Steps 1-5 of the module docstring).
 
-    ``new[-1]`` is the root, not yet in ``cache`` (``cache_len`` positions). Appends to ``new``;
-    returns (accepted length per step, verified tree size per step).
+    ``new[-1]`` is the root, not yet in ``cache`` (``cache_len`` positions); ``root_logits`` (V_d,): the draft's
+    logits after it. Appends to ``new``; returns (accepted length per step, verified tree size per step).
     """
+    runner, cfg, clock = loop.runner, loop.cfg, loop.clock
     dev = runner.device
     accepted: list[int] = []
     sizes: list[int] = []
     while True:
         # Step 1: draft a tree below the root (no deeper than the tokens still allowed).
-        t = build_tree(new[-1], root_logits, session.expand, tree, max_depth=cfg.max_new_tokens - len(new) - 1,
+        t = build_tree(new[-1], root_logits, session.expand, loop.tree, max_depth=cfg.max_new_tokens - len(new) - 1,
                        token_ids=session.token_ids)
         clock.lap("draft")
         # Step 2: one target forward over root + tree.
         pos = cache_len + t.depth  # (n,) position ids
         mask = attention_masks(t.ancestors, cache_len, pos, pos, runner.dtype, runner.layer_types, runner.window)
         clock.lap("mask")
-        hidden, feats = runner.forward(t.tokens, pos, cache, mask, layers)  # (n, d), (n, F)
+        hidden, feats = runner.forward(t.tokens, pos, cache, mask, loop.layers)  # (n, d), (n, F)
         clock.lap("target")
         # Step 3: walk the tree with the target's logits.
         logits_of = _node_logits(runner, hidden, t)
         if cfg.temperature <= 0:
             path, bonus = greedy_walk(t, logits_of)
         else:
-            path, bonus = sampling_walk(t, logits_of, cfg.temperature, cfg.top_p, generator)
+            path, bonus = sampling_walk(t, logits_of, cfg.temperature, cfg.top_p, loop.generator)
         clock.lap("verify")
         # Step 4: keep only the accepted path in the target's cache.
         keep_rows(cache, cache_len, path)
         cache_len += len(path)
         clock.lap("cache")
         proposed = t.tokens[path[1:]].tolist() + [bonus]
-        added, stopped = _take(new, proposed, eos, cfg.max_new_tokens)
+        added, stopped = _take(new, proposed, loop.eos, cfg.max_new_tokens)
         accepted.append(len(added))
         sizes.append(t.size)
         if stopped:

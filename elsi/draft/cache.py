@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from elsi.collect.store import read_json, write_json
 from elsi.draft.compat import cache_dtype, cache_files, cache_scales
+from elsi.io import read_json, write_json
 
 MANIFEST = "features.json"
 FORMAT = 2
@@ -211,7 +211,7 @@ def write_shard(path: Path, shard: int, parts: dict[str, list[np.ndarray]], man:
 
 
 def write_manifest(path: Path, man: dict) -> None:
-    """``features.json`` of the cache in ``path``, atomically, with its own checksum (``elsi.collect.store.write_json``)."""
+    """``features.json`` of the cache in ``path``, atomically, with its own checksum (``elsi.io.write_json``)."""
     write_json(path / MANIFEST, man, rebuild=rebuild_hint(path))
 
 

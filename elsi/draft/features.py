@@ -7,7 +7,7 @@ target's greedy next token, the input of its LM head and its hidden states at th
 
 The cache directory is keyed by model, data and settings (max tokens, seed, regeneration),
 not by the number of samples: a longer run extends it and a shorter one reads its prefix.
-Several processes share a cache: one builds or extends it under its lock (``elsi.collect.store.lock``)
+Several processes share a cache: one builds or extends it under its lock (``elsi.io.lock``)
 while another that needs it waits, then reads what was built; a finished cache is read without a lock.
 It stores the union of layers it was built with (``FeatureConfig.cache_layers``); asking a
 layer it does not hold is a clear error.
@@ -33,17 +33,16 @@ from pathlib import Path
 
 import numpy as np
 
-from elsi.collect.collector import dist_info
-from elsi.collect.store import lock
 from elsi.config import opt
 from elsi.data.conversations import Dataset, Sample, assistant_mask, data_identity, iter_tokenized
 from elsi.draft.cache import FORMAT, MANIFEST, FeatureStore, write_manifest, write_shard
 from elsi.draft.compat import feature_key_extras, same_data
-from elsi.draft.forward import greedy_tokens, target_features
-from elsi.draft.regenerate import (first_prompt_tokens, leaves_room, regenerate_batch, regenerate_sorted,
-                                   regenerate_tokenized)
+from elsi.draft.forward import target_features
+from elsi.draft.regenerate import regenerate_tokenized
+from elsi.io import lock
 from elsi.models.compiled import compiled
 from elsi.models.load import Target, cache_dir
+from elsi.runtime import dist_info
 from elsi.stats.analysis import parse_layers as analysis_layers
 
 REGEN_SHARD_BATCHES = 4  # regeneration batches per feature shard (see _extend_features)
@@ -138,7 +137,7 @@ def build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers:
 def _build_features(target: Target, dataset: Dataset, cfg: FeatureConfig, layers: Sequence[int],
                     on_progress: Callable[[Progress], None] | None, shard_samples: int) -> FeatureStore:
     """``build_features`` in one process. A finished cache is read without a lock (readers are never blocked);
-    one to build or extend is written under its lock (``elsi.collect.store.lock``): a second process that
+    one to build or extend is written under its lock (``elsi.io.lock``): a second process that
     needs the same cache waits for the first, then reads what it built rather than building it again."""
     path = features_dir_for(cfg, target)
     store = _usable_cache(path, target, dataset, cfg, layers)
@@ -353,7 +352,4 @@ def _commit(run: _Pass, entries: list[dict], next_order: int) -> int:
     return done
 
 
-# Re-exported: callers outside the draft stage import these from here.
-__all__ = ["FORMAT", "MANIFEST", "FeatureConfig", "FeatureStore", "Progress", "build_features", "features_dir_for",
-           "first_prompt_tokens", "greedy_tokens", "leaves_room", "parse_layers", "regenerate_batch",
-           "regenerate_sorted", "target_features"]
+__all__ = ["FeatureConfig", "Progress", "build_features", "features_dir_for", "parse_layers"]

@@ -458,7 +458,7 @@ class Eagle3Draft(nn.Module):
             check_fits_target(cfg, target_num_layers, width, vocab, where=f"draft {path}")
         draft = cls(cfg, embed_tokens)
         device = next(embed_tokens.parameters()).device
-        draft.load_state_dict(_elsi_state(load_file(str(path / WEIGHTS)), cfg, embed_tokens, path), strict=True)
+        draft.load_state_dict(elsi_state_dict(load_file(str(path / WEIGHTS)), cfg, embed_tokens, path), strict=True)
         return draft.to(device)
 
 
@@ -489,7 +489,7 @@ def read_draft_config(path: str | Path, num_layers: int, hidden_size: int) -> Dr
     return DraftConfig.from_json(obj, num_layers, hidden_size)
 
 
-def _elsi_state(tensors: dict[str, torch.Tensor], cfg: DraftConfig, embed_tokens: nn.Module, path: Path) -> dict:
+def elsi_state_dict(tensors: dict[str, torch.Tensor], cfg: DraftConfig, embed_tokens: nn.Module, path: Path) -> dict:
     """A checkpoint's tensors under elsi's names: foreign names mapped, ``fc_norm.{i}.weight`` stacked
     into (m, d_t), the draft's own copy of the token embeddings checked against the target's and dropped."""
     out: dict[str, torch.Tensor] = {}

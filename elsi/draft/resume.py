@@ -3,7 +3,7 @@
 ``resume/checkpoint.safetensors`` (in a subdirectory: vLLM and SGLang load every ``*.safetensors`` file at
 the top of a draft directory) holds the draft's and the optimizer's tensors, with the step, data position,
 curves, optimizer hyper-parameters and settings as JSON in the header, and the file's checksum
-(``elsi.collect.store.save_tensors``); no pickle. ``Interrupt`` turns Ctrl-C into a checkpoint of a
+(``elsi.io.save_tensors``); no pickle. ``Interrupt`` turns Ctrl-C into a checkpoint of a
 finished step. Older checkpoints: ``elsi.draft.compat``.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from elsi.collect.store import RunError, load_tensors, save_tensors
 from elsi.draft.model import Eagle3Draft
+from elsi.io import RunError, load_tensors, save_tensors
 
 CHECKPOINT = "resume/checkpoint.safetensors"  # under the draft directory
 CHECKPOINT_FORMAT = 1

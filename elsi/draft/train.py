@@ -41,8 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elsi.collect.collector import dist_info
-from elsi.collect.store import lock
+from elsi import runtime
 from elsi.config import added_settings, at_least, opt, result_settings, settings_diff
 from elsi.draft.cache import FeatureStore
 from elsi.draft.checkpoint import TRAINING
@@ -54,7 +53,7 @@ from elsi.draft.loss import Batch, LabelHead, make_batch, scored, scored_counts,
 from elsi.draft.model import Eagle3Draft, config_for_target, init_weights
 from elsi.draft.resume import CHECKPOINT, Interrupt, load_checkpoint, restore_checkpoint, save_checkpoint
 from elsi.draft.vocab import build_vocab
-from elsi.models import adapters
+from elsi.io import lock
 from elsi.models.compiled import compiled
 from elsi.models.load import Target
 
@@ -283,7 +282,7 @@ def stop_rule(cfg: TrainConfig, total_steps: int, budget: float) -> str:
 def matmul_dtype(choice: str, device: torch.device) -> tuple[torch.dtype, str | None]:
     """The dtype of the draft's training matmuls for ``--train-dtype`` on ``device``, and a warning
     when bfloat16 was asked for where it would be emulated (several times slower than float32)."""
-    fast, why = adapters.fast_bf16(device)  # looked up when called (tests stand in for the CPU's flags)
+    fast, why = runtime.fast_bf16(device)  # looked up when called (tests stand in for the CPU's flags)
     if choice == "float32" or (choice == "auto" and not fast):
         return torch.float32, None
     if not fast:
@@ -316,7 +315,7 @@ def train_draft(target: Target, store: FeatureStore, cfg: TrainConfig, seed: int
     checkpoints; rank 0 alone evaluates and writes, the other ranks wait at a barrier. Another
     process writing ``cfg.out`` is an error (``lock``: rank 0 holds the draft directory's lock).
     """
-    rank, world = dist_info()
+    rank, world = runtime.dist_info()
     with lock(cfg.out, "the draft directory") if rank == 0 else nullcontext():
         return _train_draft(target, store, cfg, seed, device, samples, on_progress, rank, world)
 
@@ -419,7 +418,7 @@ def _resume(run: _Run, model: Trainee) -> TrainState:
     had = checkpoint_matmul_dtype(saved["state"], mm_name)
     if had != mm_name:  # --train-dtype auto resolves per machine: the same settings, another precision
         raise ValueError(f"{ck} was trained with {had} matmuls, this run would go on in {mm_name} "
-                         f"(--train-dtype {cfg.train_dtype}; {adapters.fast_bf16(run.device)[1]}): pass --train-dtype "
+                         f"(--train-dtype {cfg.train_dtype}; {runtime.fast_bf16(run.device)[1]}): pass --train-dtype "
                          f"{had} to finish it alike, or --restart to start over")
     restore_checkpoint(tensors, saved["optimizer"], model.draft, model.optimizer)
     state = TrainState(**{**saved["state"], "matmul_dtype": had})
@@ -639,7 +638,5 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-# Re-exported: callers outside the draft stage (elsi.study, elsi.cli, bench/) import these from here.
-__all__ = ["CHECKPOINT", "TRAINING", "LabelHead", "Progress", "Schedule", "TrainConfig", "TrainState", "make_batch",
-           "matmul_dtype", "parse_duration", "scored", "split_samples", "train_draft", "ttt_loss",
-           "with_added_settings"]
+__all__ = ["Progress", "Schedule", "TrainConfig", "TrainState", "matmul_dtype", "parse_duration", "split_samples",
+           "train_draft", "with_added_settings"]

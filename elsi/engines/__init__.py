@@ -1,8 +1,9 @@
 """Bridges to the engines users serve and train drafts with: vLLM, SGLang, SpecForge, speculators.
 
 - ``rules``: each engine's rule for which target hidden states it feeds a draft (from their code);
-- ``configs``: the engine-facing keys elsi writes into a draft's ``config.json``, the per-engine
-  checks of a layer set, config fragments (``elsi export --layers``), drafts written by other tools;
+- ``configs``: the per-engine checks of a layer set and config fragments (``elsi export --layers``); the
+  engine-facing keys of a draft's ``config.json`` and drafts written by other tools are the draft stage's
+  (``elsi.draft.checkpoint``);
 - ``check``: ``elsi check-draft``: what each engine feeds any EAGLE-3 or DFlash-style draft, and the
   teacher-forced acceptance that tells which feeding the draft was trained for;
 - ``speculators``: the speculators (vLLM) checkpoint format (``elsi export --format speculators``);
@@ -16,11 +17,8 @@ from elsi.engines.configs import (
     check_exportable,
     check_for_engine,
     count_problems,
-    engine_keys,
     engine_problems,
     export_fragment,
-    foreign_draft_config,
-    stale_eagle_config,
     warn_engines,
 )
 from elsi.engines.rules import CHECKED, ENGINES, EngineLoadError, engine_feed, engine_reading
@@ -35,10 +33,7 @@ __all__ = [
     "count_problems",
     "engine_feed",
     "engine_reading",
-    "engine_keys",
     "engine_problems",
     "export_fragment",
-    "foreign_draft_config",
-    "stale_eagle_config",
     "warn_engines",
 ]

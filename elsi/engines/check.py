@@ -23,21 +23,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elsi.draft.checkpoint import CONFIG, TRAINING, WEIGHTS, eagle3_default_ids, eagle_config_ids
 from elsi.engines.rules import (
     CHECKED,
     ENGINE_NAMES,
     FIRST_ID_FAMILIES,
     EngineLoadError,
     Reading,
-    default_ids,
     dflash_ids,
-    eagle_config_ids,
     engine_reading,
     is_dflash,
     is_speculators,
 )
 
-CONFIG, WEIGHTS, TRAINING = "config.json", "model.safetensors", "training.json"
 _DRAFT_KEYS = ("eagle_aux_hidden_state_layer_ids", "eagle_config", "dflash_config", "target_layer_ids",
                "speculators_model_type", "draft_vocab_size", "elsi")
 
@@ -323,7 +321,7 @@ def load_for_check(facts: DraftFacts, target, m: int):
 
     from safetensors.torch import load_file
 
-    from elsi.draft.model import DraftConfig, Eagle3Draft, _elsi_state, check_fits_target
+    from elsi.draft.model import DraftConfig, Eagle3Draft, check_fits_target, elsi_state_dict
 
     if facts.kind == "dflash":
         raise ValueError(f"{facts.path} is a DFlash-style draft, which elsi cannot run: only the engines' "
@@ -337,7 +335,7 @@ def load_for_check(facts: DraftFacts, target, m: int):
     check_fits_target(cfg, target.num_layers, target.hidden_size, int(embed.weight.shape[0]),
                       where=f"draft {facts.path}")
     draft = Eagle3Draft(cfg, embed)
-    draft.load_state_dict(_elsi_state(load_file(str(facts.path / WEIGHTS)), cfg, embed, facts.path), strict=True)
+    draft.load_state_dict(elsi_state_dict(load_file(str(facts.path / WEIGHTS)), cfg, embed, facts.path), strict=True)
     return draft.to(next(embed.parameters()).device).eval()
 
 
@@ -362,7 +360,7 @@ def candidate_feedings(facts: DraftFacts, static: dict, num_layers: int, m: int,
     for label, ids in bases:
         add([i - 1 for i in ids], f"{label} - 1")
         add([i + 1 for i in ids], f"{label} + 1")
-    add(default_ids(n), "EAGLE-3 default (2, N//2, N-3)")
+    add(eagle3_default_ids(n), "EAGLE-3 default (2, N//2, N-3)")
     if scan:
         for ids in itertools.combinations(range(1, n), m):
             add(ids, "scan")
@@ -395,14 +393,14 @@ def feeding_acceptance(target, draft, answers: list[dict], feedings: Sequence[tu
     """Teacher-forced depth-1 acceptance of ``draft`` fed each layer set in ``feedings`` (key None: zeros).
 
     Per answer record (``elsi.specbench.answers``) the sequence x = prompt + answer (T tokens) gets one target
-    forward (``elsi.draft.features.target_features``): states h_l (T, d) and the target's greedy token after
+    forward (``elsi.draft.forward.target_features``): states h_l (T, d) and the target's greedy token after
     each prefix, argmax (T,). Draft row i pairs g_i = fc([h_{L_1}[i]; ...; h_{L_m}[i]]) with the embedding of
     x_{i+1} and predicts x_{i+2} (``elsi.draft.model``); it is scored where x_{i+2} is an answer token
     (P <= i + 2 < T, P the prompt length) and hits when its top-1 (mapped to a target id) equals argmax[i+1].
     """
     import torch
 
-    from elsi.draft.features import target_features
+    from elsi.draft.forward import target_features
 
     keys: list[tuple[int, ...] | None] = [tuple(f) for f in feedings] + ([None] if zero_feed else [])
     layers = sorted({i for f in feedings for i in f})

@@ -1,8 +1,7 @@
 """The per-engine checks of a draft's layer set, and config fragments (``elsi export --layers``).
 
 The draft directory's own format, the engine-facing keys of its ``config.json`` and the drafts other
-tools write, is the draft stage's (``elsi.draft.checkpoint``; older elsi drafts: ``elsi.draft.compat``);
-it is re-exported here for the engines' callers.
+tools write, is the draft stage's (``elsi.draft.checkpoint``; older elsi drafts: ``elsi.draft.compat``).
 """
 
 from __future__ import annotations
@@ -10,8 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
-from elsi.draft.checkpoint import engine_keys, foreign_draft_config, foreign_layer_ids, foreign_weight_name
-from elsi.draft.compat import split_fc_norm, stale_eagle_config, upgrade_draft
+from elsi.draft.checkpoint import engine_keys
 from elsi.engines.rules import ENGINES, EngineLoadError, engine_feed
 
 FORMATS = ("vllm", "sglang", "specforge", "dflash")  # config fragments (``elsi export --layers``)
@@ -135,6 +133,5 @@ def export_fragment(layers: Sequence[int], num_layers: int, fmt: str, model: str
             "_elsi_note": f"{fmt} numbering = elsi id - 1 (output of decoder layer i); {source}"}
 
 
-__all__ = ["DEFAULT_M", "FORMATS", "check_exportable", "check_for_engine", "count_problems", "engine_keys",
-           "engine_problems", "export_fragment", "foreign_draft_config", "foreign_layer_ids", "foreign_weight_name",
-           "split_fc_norm", "stale_eagle_config", "upgrade_draft", "warn_engines"]
+__all__ = ["DEFAULT_M", "FORMATS", "check_exportable", "check_for_engine", "count_problems", "engine_problems",
+           "export_fragment", "warn_engines"]

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elsi.draft.checkpoint import eagle3_default_ids, eagle_config_ids
 from elsi.select.search import dflash_default_ids
 
 ENGINES = ("vllm", "vllm-v1", "sglang", "specforge")  # the readers of the keys elsi writes into a draft
@@ -82,17 +83,6 @@ class Reading:
     def default(self) -> bool:
         """True where the engine found no ids and captured its default layers."""
         return self.source.startswith("default")
-
-
-def default_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default layer set (2, N//2, N-3), in HF ``hidden_states`` numbering."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
-def eagle_config_ids(config: dict) -> list[int] | None:
-    """``eagle_config.eagle_aux_hidden_state_layer_ids`` of a config, or None."""
-    lst = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return list(lst) if lst else None
 
 
 def dflash_ids(config: dict) -> tuple[list[int] | None, str]:
@@ -163,7 +153,7 @@ def vllm_reading(config: dict, num_layers: int, family: str = "") -> Reading:
     """vLLM 0.32 with model runner V2 (the GPU default)."""
     ids, src = _vllm_v2_ids(config)
     if not ids:
-        ids, src = list(default_ids(num_layers)), "default (2, N//2, N-3): the config has no id vLLM reads"
+        ids, src = list(eagle3_default_ids(num_layers)), "default (2, N//2, N-3): the config has no id vLLM reads"
     return Reading(_vllm_order(ids, num_layers), src, _vllm_slots(config, _vllm_v2_ids(config)[0]))
 
 
@@ -178,7 +168,7 @@ def vllm_v1_reading(config: dict, num_layers: int, family: str = "") -> Reading:
             ids = config["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
             src = "eagle_config.eagle_aux_hidden_state_layer_ids, unshifted"
     if not ids:
-        ids, src = list(default_ids(num_layers)), "default (2, N//2, N-3): the config has no id vLLM reads"
+        ids, src = list(eagle3_default_ids(num_layers)), "default (2, N//2, N-3): the config has no id vLLM reads"
     return Reading(_vllm_order(ids, num_layers), src, _vllm_slots(config, _vllm_v2_ids(config)[0]))
 
 
@@ -192,7 +182,7 @@ def speculators_reading(config: dict, num_layers: int, family: str = "") -> Read
     if ids:
         src = "eagle_aux_hidden_state_layer_ids"
     else:
-        ids = list(default_ids(num_layers))
+        ids = list(eagle3_default_ids(num_layers))
         src = ("default (2, N//2, N-3): eagle_aux_hidden_state_layer_ids is null" if is_speculators(config) else
                "default (2, N//2, N-3): `speculators convert` writes null without --algorithm-kwargs ids, "
                "and this config has no top-level ids to pass")
@@ -218,7 +208,7 @@ def sglang_reading(config: dict, num_layers: int, family: str = "") -> Reading:
         return Reading(tuple(captured), src, len(lst))
     lst = eagle_config_ids(config)
     if lst is None:
-        inputs_of = list(default_ids(num_layers))
+        inputs_of = list(eagle3_default_ids(num_layers))
         src = "default (2, N//2, N-3): the config has no eagle_config.eagle_aux_hidden_state_layer_ids"
     elif family in FIRST_ID_FAMILIES and int(lst[0]) != 1:
         inputs_of = [int(j) for j in lst]
@@ -281,6 +271,5 @@ def specforge_feed(config: dict, num_layers: int) -> tuple[int | None, ...]:
     return engine_feed("specforge", config, num_layers)
 
 
-__all__ = ["CHECKED", "ENGINES", "ENGINE_NAMES", "FIRST_ID_FAMILIES", "EngineLoadError", "Reading", "default_ids",
-           "dflash_ids", "eagle_config_ids", "engine_feed", "engine_reading", "is_dflash",
-           "is_speculators", "sglang_feed", "specforge_feed", "vllm_feed"]
+__all__ = ["CHECKED", "ENGINES", "ENGINE_NAMES", "FIRST_ID_FAMILIES", "EngineLoadError", "Reading", "dflash_ids",
+           "engine_feed", "engine_reading", "is_dflash", "is_speculators", "sglang_feed", "specforge_feed", "vllm_feed"]

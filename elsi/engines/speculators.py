@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from elsi.engines.configs import split_fc_norm
+from elsi.draft.compat import split_fc_norm
 
 SPECULATORS_VERSION = "0.9.0"  # the release whose format this writes (checked by tests/test_vllm.py)
 

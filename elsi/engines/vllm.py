@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from elsi.collect.store import write_json
 from elsi.config import opt, result_settings
 from elsi.decode.engine import DecodeConfig
+from elsi.io import write_json
 from elsi.specbench.runner import BenchConfig
 from elsi.stats.sampling import interval, pooled_tau, resample_weights
 from elsi.text import num
@@ -238,6 +238,15 @@ def tau_agreement(elsi_acc, elsi_steps, vllm_acc, vllm_steps, resamples: int, se
             "nothing_accepted": bool(ea.sum() == es.sum() and va.sum() == vs.sum())}
 
 
+def _recorded(method: Callable, into: list[int]) -> Callable:
+    """``method`` (a decoding method of ``answer``) that also appends every turn's new tokens to ``into``."""
+    def run(ids, gen):
+        out = method(ids, gen)
+        into.extend(out[0])
+        return out
+    return run
+
+
 def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: VllmBenchConfig, threads: int = 0,
                    on_answer: Callable[[str, int, int], None] | None = None, plain: bool = True,
                    progress: str | Path | None = None) -> dict:
@@ -269,13 +278,6 @@ def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: Vllm
     states_checks: list[dict] = []  # per vLLM run with the draft: its states against HF's (check_states)
     log = vcfg.vllm_log or None
 
-    def recorded(m, name: str, k: int | None, qid: int):
-        def run(ids, gen):
-            out = m(ids, gen)
-            tokens.setdefault((name, k, qid), []).extend(out[0])
-            return out
-        return run
-
     settings = {"model": str(target.source), "draft": str(draft_dir) if draft_dir else None, "plain": plain,
                 "bench": asdict(bench), "vllm": result_settings(vcfg)}
     kept = BenchProgress(progress, settings)
@@ -288,7 +290,8 @@ def run_vllm_bench(target, draft_dir: str | None, bench: BenchConfig, vcfg: Vllm
             answer(m, name, questions[0], target.tokenizer, 0.0, k, torch.Generator().manual_seed(0))  # warm-up
             for i, q in enumerate(questions):
                 gen = torch.Generator().manual_seed(bench.seed)
-                answers.append(answer(recorded(m, name, k, q.question_id), name, q, target.tokenizer, 0.0, k, gen))
+                m_q = _recorded(m, tokens.setdefault((name, k, q.question_id), []))
+                answers.append(answer(m_q, name, q, target.tokenizer, 0.0, k, gen))
                 if on_answer is not None:
                     on_answer(f"{name}{'' if k is None else f' k={k}'}", i + 1, len(questions))
         kept.save(name, k, answers, tokens)
@@ -519,7 +522,7 @@ def agreement_rows(results: dict) -> tuple[list[str], list[list]]:
 
 
 def write_results(results: dict, path: str | Path) -> Path:
-    """The results, written whole (``elsi.collect.store.write_json``: temporary file, then rename)."""
+    """The results, written whole (``elsi.io.write_json``: temporary file, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, results)
@@ -528,7 +531,7 @@ def write_results(results: dict, path: str | Path) -> Path:
 
 def progress_path(out: str | Path) -> Path:
     """Where a benchmark writing ``out`` keeps its finished configurations until it is done (one writer: the
-    process holding ``out``'s lock, ``elsi bench --out`` or ``elsi study``; ``elsi.collect.store.lock``)."""
+    process holding ``out``'s lock, ``elsi bench --out`` or ``elsi study``; ``elsi.io.lock``)."""
     out = Path(out)
     return out.with_name(out.name + ".progress")
 

@@ -1,6 +1,6 @@
 """Targets: resolving ``--model``, loading, and the per-family adapters."""
 
-from elsi.models.adapters import REGISTRY, Adapter, adapter_for, plain_template, resolve_device
+from elsi.models.adapters import REGISTRY, Adapter, adapter_for, plain_template
 from elsi.models.load import (
     ALIASES,
     DEFAULT_MODEL,
@@ -24,6 +24,5 @@ __all__ = [
     "model_num_layers",
     "model_shape",
     "plain_template",
-    "resolve_device",
     "resolve_model",
 ]

@@ -2,7 +2,7 @@
 
 GGUF weights are de-quantised once (~20 s) and cached as safetensors under
 ``$ELSI_CACHE/models`` (default ``~/.cache/elsi``); later loads take a few seconds. Processes
-that start together convert once: the others wait for the first (``elsi.collect.store.lock``).
+that start together convert once: the others wait for the first (``elsi.io.lock``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from elsi.collect.store import lock
+from elsi.io import lock
 from elsi.models.adapters import Adapter, adapter_for
 
 DEFAULT_MODEL = "smollm2-135m"

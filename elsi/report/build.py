@@ -32,7 +32,7 @@ def baseline_layers(num_layers: int) -> dict[str, list[int]]:
 
 
 def _read(path: Path, fix: str) -> dict:
-    from elsi.collect.store import read_json
+    from elsi.io import read_json
 
     return read_json(path, fix=fix)
 
@@ -65,7 +65,8 @@ def check_grams(run_dir: Path, analysis: dict, manifest: dict | None) -> None:
     grams = run_dir / "grams.safetensors"
     if not grams.is_file():
         return
-    from elsi.collect.store import RunError, analyze_command, verify_tensors
+    from elsi.collect.store import analyze_command
+    from elsi.io import RunError, verify_tensors
 
     settings = (manifest or {}).get("settings") or analysis.get("settings", {})
     digest = verify_tensors(grams, fix=f"rebuild it with `{analyze_command(run_dir, settings)}`")

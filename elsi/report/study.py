@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elsi.collect.store import read_json
+from elsi.io import read_json
 from elsi.text import layer_list, md_table, num
 
 STUDY_JSON = "study.json"  # a finished study's results, in its directory

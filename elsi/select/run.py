@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elsi.collect.store import lock, read_json, write_json
 from elsi.config import at_least, opt, result_settings
+from elsi.io import lock, read_json, write_json
 from elsi.select.search import (
     BASELINES,
     METHODS,

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from elsi.collect.store import RunError, lock, read_json, write_json
 from elsi.data.spec_bench import SUBTASKS, load_questions
 from elsi.decode.engine import stop_tokens
+from elsi.io import RunError, lock, read_json, write_json
 from elsi.models.load import Target, cache_dir
 from elsi.specbench.runner import encode_chat
 

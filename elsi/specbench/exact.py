@@ -26,6 +26,7 @@ from elsi.config import like, opt
 from elsi.decode.replay import check_tree, replay_answer
 from elsi.decode.tree import TreeConfig
 from elsi.specbench.states import AnswerStates
+from elsi.text import num
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class ExactConfig:
     tree_depth: int = like(TreeConfig, "depth")
     top_k: int = like(TreeConfig, "top_k")
     keep_states: bool = opt(True, "keep the target's states at every layer over the answers on disk "
-                                  "($ELSI_CACHE/spec_bench_states; ~16 GB for SmolLM2 on all of Spec-Bench in float32), "
+                                  "($ELSI_CACHE/spec_bench_states; its size: docs/decoding.md), "
                                   "so that every later draft of the model, any layer set, skips the target's forward")
 
     def __post_init__(self) -> None:
@@ -132,7 +133,7 @@ def exact_rows(res: dict) -> tuple[list[str], list[list]]:
     """``exact_tau``'s result as a table: per tree shape, τ pooled and per subtask, and the all-positions mean."""
     subs = list(dict.fromkeys(s for t in res["trees"] for s in t["subtasks"]))
     header = ["nodes", "depth", "top-k", "τ", "τ all positions", "steps"] + [f"τ {s}" for s in subs]
-    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    f = lambda x: num(x, 3, missing="-")  # noqa: E731
     rows = [[t["tree"]["tree_nodes"], t["tree"]["depth"], t["tree"]["top_k"], f(t["overall"]["tau"]),
              f(t["overall"]["tau_all_positions"]), t["overall"]["steps"]]
             + [f(t["subtasks"].get(s, {}).get("tau")) for s in subs] for t in res["trees"]]

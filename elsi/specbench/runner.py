@@ -29,7 +29,9 @@ from elsi.data.spec_bench import SUBTASKS, Question, load_questions
 from elsi.decode.engine import DecodeConfig, Drafter, TargetRunner, generate, stop_tokens
 from elsi.decode.tree import TreeConfig
 from elsi.models import DEFAULT_MODEL
-from elsi.models.adapters import fast_bf16
+from elsi.runtime import fast_bf16
+from elsi.stats.sampling import mean
+from elsi.text import num
 
 
 @dataclass(frozen=True)
@@ -244,10 +246,6 @@ def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
     return summarize(answers, cfg)
 
 
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
 def _stats(group: list[Answer], base: dict[tuple, Answer], hf: dict[tuple, Answer]) -> dict:
     """Metrics of one method over a group of answers (one subtask or all)."""
     steps = sum(a.steps for a in group)
@@ -263,11 +261,11 @@ def _stats(group: list[Answer], base: dict[tuple, Answer], hf: dict[tuple, Answe
         "questions": len(group),
         "new_tokens": sum(a.new_tokens for a in group),
         "time_s": sum(a.time_s for a in group),
-        "tokens_per_s": _mean([a.tokens_per_s for a in group]),
+        "tokens_per_s": mean([a.tokens_per_s for a in group]),
         "tau": sum(a.accepted for a in group) / steps if steps else None,
         "steps": steps,
-        "speedup_vs_plain": _mean(vs_plain),
-        "speedup_vs_hf": _mean(vs_hf),
+        "speedup_vs_plain": mean(vs_plain),
+        "speedup_vs_hf": mean(vs_hf),
         "ms_per_step": prof_steps,
     }
 
@@ -291,7 +289,7 @@ def summary_rows(results: dict) -> tuple[list[str], list[list]]:
     """A table of the runs: header and rows (tokens/s, tau, speed-ups; tau per subtask)."""
     subtasks = list(dict.fromkeys(s for r in results["runs"] for s in r["subtasks"]))
     header = ["T", "method", "nodes", "tok/s", "tau", "vs plain", "vs HF"] + [f"tau {s}" for s in subtasks]
-    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    f = lambda x, p=2: num(x, p, missing="-")  # noqa: E731
     rows = []
     for r in results["runs"]:
         o = r["overall"]

@@ -6,8 +6,9 @@ reads differ. ``AnswerStates`` makes that forward once per turn and keeps every 
 each later draft of the model, whatever its layer set (every seed of a study, every set), reads its
 layers from disk instead of running the target again.
 
-Cache: ``$ELSI_CACHE/spec_bench_states/<model key>/<turn key>.pt``, the states ``(n_layers + 1, L, d)``
-in the target's dtype exactly as its forward returned them, and ``<turn key>.json`` written after it
+Cache: ``$ELSI_CACHE/spec_bench_states/<model key>/<turn key>.safetensors``, the states
+``(n_layers + 1, L, d)`` in the target's dtype exactly as its forward returned them (a layer is read
+alone, memory-mapped; no pickle), and ``<turn key>.json`` written after it
 (an entry is complete when both exist; a write goes through a temporary name, so an interrupted one
 leaves nothing that is read). ``<model key>``: the weights' source and dtype; ``<turn key>``: the
 turn's token ids. About 16 GB for SmolLM2 on all of Spec-Bench in float32; when the disk has not
@@ -23,11 +24,13 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from elsi.draft.forward import greedy_tokens
 from elsi.models.load import Target, cache_dir
 
-FORMAT = 1
+FORMAT = 2  # 1: torch.save files (.pt)
 MARGIN = 2 << 30  # bytes left free on the cache's disk
 
 
@@ -51,15 +54,17 @@ class AnswerStates:
         Flips: answer positions where the one-pass forward's argmax differs from the answer's next token.
         """
         key = _key({"tokens": list(seq), "prompt_len": prompt_len})
-        path, meta = self.dir / f"{key}.pt", self.dir / f"{key}.json"
+        path, meta = self.dir / f"{key}.safetensors", self.dir / f"{key}.json"
         if meta.is_file() and path.is_file():
             try:
                 info = json.loads(meta.read_text())
-                hs = torch.load(path, mmap=True, weights_only=True)  # (n+1, L, d), read only where indexed
-                if hs.shape[1] == len(seq) and info.get("tokens") == len(seq):
-                    self.read += 1
-                    return int(info["flips"]), _at(hs, layers)
-            except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError):
+                with safe_open(path, framework="pt") as f:
+                    hs = f.get_slice("states")  # (n+1, L, d), only the layers asked for are read
+                    if hs.get_shape()[1] == len(seq) and info.get("tokens") == len(seq):
+                        feats = torch.cat([hs[l] for l in layers], dim=-1)
+                        self.read += 1
+                        return int(info["flips"]), feats
+            except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError, SafetensorError):
                 pass  # a damaged entry: computed again, and rewritten
         flips, hs = self._forward(seq, prompt_len)
         self.computed += 1
@@ -85,7 +90,7 @@ class AnswerStates:
     @staticmethod
     def _write(path: Path, meta: Path, hs: torch.Tensor, info: dict) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        torch.save(hs, tmp)
+        save_file({"states": hs.contiguous()}, tmp)
         os.replace(tmp, path)
         tmp = meta.with_name(f".{meta.name}.{os.getpid()}")
         tmp.write_text(json.dumps(info))

@@ -18,8 +18,8 @@ import torch
 
 from elsi.collect.grams import diag_index, unpack
 from elsi.config import opt
-from elsi.collect.store import (GRAMS, MANIFEST, RunError, analyze_command, load_tensors, read_json,
-                                tensors_checksum, write_json)
+from elsi.collect.store import GRAMS, MANIFEST, analyze_command
+from elsi.io import RunError, load_tensors, read_json, tensors_checksum, write_json
 from elsi.stats.cka import CKA_ESTIMATORS, cka_from_hsic, cka_matrix, hsic_matrix
 from elsi.stats.entropy import EntropyStat, aggregate_blocks, entropy_of_eigenvalues, kernel_entropy
 from elsi.stats.transitions import compartments, find_boundaries, transition_scores

@@ -6,12 +6,12 @@ benchmarks each on Spec-Bench, and ``summarize_study`` gives τ per subtask, con
 the seed-to-seed spread and Spearman's ρ between set entropy and τ with a bootstrap interval.
 """
 
-from elsi.study.plan import DEFAULT_SETS, PLAN, LayerSet, StudyConfig, make_plan, parse_set, resolve_sets
-from elsi.study.run import Hooks, load_study, prepare_study, run_study, write_summary
-from elsi.report.study import study_markdown
+from elsi.study.plan import DEFAULT_SETS, PLAN, LayerSet, StudyConfig, StudyPlan, make_plan, parse_set, resolve_sets
+from elsi.study.run import Hooks, StudyRun, prepare_study, run_study, write_summary
+from elsi.report.study import load_study, study_markdown
 from elsi.stats.sampling import rankdata, spearman
 from elsi.study.summary import summarize_study
 
-__all__ = ["DEFAULT_SETS", "PLAN", "Hooks", "LayerSet", "StudyConfig", "load_study", "make_plan", "parse_set",
-           "prepare_study", "rankdata", "resolve_sets", "run_study", "spearman", "study_markdown", "summarize_study",
-           "write_summary"]
+__all__ = ["DEFAULT_SETS", "PLAN", "Hooks", "LayerSet", "StudyConfig", "StudyPlan", "StudyRun", "load_study",
+           "make_plan", "parse_set", "prepare_study", "rankdata", "resolve_sets", "run_study", "spearman",
+           "study_markdown", "summarize_study", "write_summary"]

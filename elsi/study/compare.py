@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from elsi.collect.store import read_json
+from elsi.io import read_json
 from elsi.report.study import load_study
 from elsi.stats.sampling import spearman
 from elsi.study.summary import TARGET_HALF_WIDTH, _clean, claims_condition

@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from elsi.collect.store import read_json, write_json
+from elsi.io import read_json, write_json
 from elsi.config import like, opt, result_settings, settings_diff
 from elsi.data.conversations import data_identity
 from elsi.data.spec_bench import SUBTASKS
 from elsi.draft.features import FeatureConfig
-from elsi.draft.train import TrainConfig, parse_duration, with_added_settings
+from elsi.draft.train import TrainConfig, parse_duration
 from elsi.select.run import SelectConfig, Selector
 from elsi.select.search import METHODS
 from elsi.specbench.runner import BenchConfig
 from elsi.stats.analysis import parse_layers
+from elsi.study import compat
 
 PLAN = "plan.json"
 FORMAT = 1
@@ -144,9 +145,82 @@ class LayerSet:
     def to_json(self) -> dict:
         return {**asdict(self), "layers": list(self.layers), "slug": self.slug}
 
+    @classmethod
+    def from_json(cls, entry: dict) -> LayerSet:
+        """A set of plan.json's ``sets`` (its ``slug`` and ``seeds`` are left to the caller)."""
+        return cls(entry["name"], entry["method"], entry["m"], tuple(entry["layers"]), entry["entropy"],
+                   entry["entropy_normalized"])
+
 
 def set_slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+
+
+@dataclass(frozen=True)
+class StudyPlan:
+    """plan.json, parsed once (``from_json``; ``to_json`` gives back the dict ``make_plan`` writes, key for key):
+    the compared sets, each with its seeds, and every setting a rerun must match."""
+
+    model: str  # the target the drafts are trained for (--model)
+    num_layers: int  # N of the analysis the sets were selected on
+    sets: list[LayerSet]  # the compared sets, in --sets order
+    draft_seeds: dict[str, list[int]]  # each set's seeds (one draft per seed), by set name
+    seeds: list[int]  # --seeds
+    settings: dict  # what every draft and benchmark depends on (``plan_settings``): a rerun must match it
+    vllm_sets: list[str] = field(default_factory=list)  # names of the sets vLLM serves too (every seed)
+    vllm_spec_tokens: list[int] = field(default_factory=list)  # vLLM's chain lengths k for them
+    run_model: str | None = None  # the model the analysis's manifest names (None: no manifest)
+    block: int | None = None  # the analysis's block size B
+    format: int = FORMAT  # plan.json's layout version
+
+    @property
+    def cache_layers(self) -> list[int]:
+        """Every set's layers, sorted: the layers of the study's one feature cache."""
+        return sorted({l for s in self.sets for l in s.layers})
+
+    @property
+    def drafts(self) -> list[tuple[LayerSet, int]]:
+        """Every (set, seed) draft, set by set (the summary's order)."""
+        return [(s, seed) for s in self.sets for seed in self.draft_seeds[s.name]]
+
+    def seed_major(self) -> list[tuple[LayerSet, int]]:
+        """Every (set, seed) draft, the k-th seed of every set before any set's (k+1)-th (the training order: a
+        study stopped part way already holds paired seeds)."""
+        deepest = max((len(v) for v in self.draft_seeds.values()), default=0)
+        return [(s, self.draft_seeds[s.name][k]) for k in range(deepest) for s in self.sets
+                if k < len(self.draft_seeds[s.name])]
+
+    @property
+    def served(self) -> list[LayerSet]:
+        """The sets vLLM serves, in the sets' order."""
+        return [s for s in self.sets if s.name in self.vllm_sets]
+
+    @property
+    def exact(self) -> dict | None:
+        """The exact evaluator's settings (``StudyConfig.exact_settings``; None: temperature 0 is decoded live)."""
+        return self.settings.get("exact")
+
+    def set_entries(self) -> list[dict]:
+        """plan.json's ``sets``: each set's ``LayerSet.to_json`` with its ``seeds``."""
+        return [{**s.to_json(), "seeds": list(self.draft_seeds[s.name])} for s in self.sets]
+
+    def to_json(self) -> dict:
+        return {"format": self.format, "model": self.model, "run_model": self.run_model,
+                "num_layers": self.num_layers, "block": self.block, "sets": self.set_entries(),
+                "seeds": list(self.seeds), "cache_layers": self.cache_layers,
+                "vllm": {"sets": list(self.vllm_sets), "spec_tokens": list(self.vllm_spec_tokens)},
+                "settings": self.settings}
+
+    @classmethod
+    def from_json(cls, plan: dict) -> StudyPlan:
+        """plan.json's dict, of this layout or an older one (``elsi.study.compat``)."""
+        vllm = compat.vllm_entry(plan)
+        return cls(model=plan["model"], num_layers=plan["num_layers"],
+                   sets=[LayerSet.from_json(s) for s in plan["sets"]],
+                   draft_seeds={s["name"]: compat.set_seeds(s, plan["seeds"]) for s in plan["sets"]},
+                   seeds=list(plan["seeds"]), settings=plan["settings"], vllm_sets=list(vllm["sets"]),
+                   vllm_spec_tokens=list(vllm["spec_tokens"]), run_model=plan.get("run_model"),
+                   block=plan.get("block"), format=plan.get("format", FORMAT))
 
 
 def parse_set(spec: str, num_layers: int) -> tuple[str, str, int | tuple[int, ...]]:
@@ -223,8 +297,8 @@ def set_seeds(specs: list[str], sets: list[LayerSet], seeds: list[int], num_laye
 
 
 def vllm_plan(cfg: StudyConfig, sets: list[LayerSet], num_layers: int) -> dict:
-    """plan.json's ``vllm``: the sets vLLM serves (each a ValueError where vLLM cannot serve its layers as
-    trained) and the chain lengths."""
+    """plan.json's ``vllm`` (``StudyPlan.vllm_sets``, ``vllm_spec_tokens``): the sets vLLM serves (each a
+    ValueError where vLLM cannot serve its layers as trained) and the chain lengths."""
     from elsi.engines import check_for_engine
 
     names = named_sets(cfg.vllm_sets, sets, num_layers, "--vllm-sets")
@@ -235,11 +309,6 @@ def vllm_plan(cfg: StudyConfig, sets: list[LayerSet], num_layers: int) -> dict:
             except ValueError as err:
                 raise ValueError(f"--vllm-sets {s.name}: {err}") from None
     return {"sets": names, "spec_tokens": list(cfg.vllm_spec_tokens)}
-
-
-def plan_seeds(plan: dict) -> dict[str, list[int]]:
-    """Each planned set's seeds, by name (a plan.json without per-set seeds: every set gets every seed)."""
-    return {s["name"]: list(s.get("seeds", plan["seeds"])) for s in plan["sets"]}
 
 
 def set_entropy(selector: Selector, layers: tuple[int, ...]) -> float:
@@ -259,60 +328,33 @@ def plan_settings(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, sele
     train = result_settings(tcfg, drop=("layers", "time_budget"))
     bench = result_settings(cfg.bench_config(fcfg.model, baseline=True),
                             drop=("model", "draft", "out", "hf_generate", "plain", "exact"))
-    out = {"features": features, "train": {**train, "time_budget": cfg.train_budget}, "bench": bench}
-    if cfg.exact_settings() is not None:  # absent when off: the studies made before it still match
-        out["exact"] = cfg.exact_settings()
+    out = compat.with_exact({"features": features, "train": {**train, "time_budget": cfg.train_budget},
+                             "bench": bench}, cfg.exact_settings())
     if selector is None:
         return out
     return {"run": str(selector.cfg.run), **out, "select": selector.settings()}
 
 
-def make_plan(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, run_dir: str | Path) -> dict:
-    """Select every set on the finished analysis in ``run_dir`` -> the plan (plan.json's dict)."""
+def make_plan(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, run_dir: str | Path) -> StudyPlan:
+    """Select every set on the finished analysis in ``run_dir`` -> the plan."""
     selector = Selector(SelectConfig(run=str(Path(run_dir).resolve())))  # a clear error if the run is not finished
     sets = resolve_sets(cfg.sets, selector)
     seeds = set_seeds(cfg.multi_seed_sets, sets, cfg.seeds, selector.run.num_layers, cfg.other_seeds)
+    vllm = vllm_plan(cfg, sets, selector.run.num_layers)
     man = Path(run_dir) / "manifest.json"
-    return {
-        "format": FORMAT,
-        "model": fcfg.model,
-        "run_model": read_json(man).get("model") if man.is_file() else None,
-        "num_layers": selector.run.num_layers,
-        "block": selector.run.block,
-        "sets": [{**s.to_json(), "seeds": seeds[s.name]} for s in sets],
-        "seeds": list(cfg.seeds),
-        "cache_layers": sorted({l for s in sets for l in s.layers}),
-        "vllm": vllm_plan(cfg, sets, selector.run.num_layers),
-        "settings": plan_settings(cfg, fcfg, tcfg, selector),
-    }
-
-
-def layer_sets(plan: dict) -> list[LayerSet]:
-    return [LayerSet(s["name"], s["method"], s["m"], tuple(s["layers"]), s["entropy"], s["entropy_normalized"])
-            for s in plan["sets"]]
-
-
-def _data_by_content(settings: dict) -> dict:
-    """``settings`` of an older plan.json, whose ``features.data`` is a path, with the data's identity instead
-    (that file's content now; a path that no longer exists stays as it is and differs)."""
-    data = settings.get("features", {}).get("data")
-    if not isinstance(data, str) or data == "sharegpt" or data.startswith("sha256:"):
-        return settings
-    try:
-        ident = data_identity(data)
-    except (OSError, ValueError):
-        return settings
-    return {**settings, "features": {**settings["features"], "data": ident}}
+    return StudyPlan(model=fcfg.model, num_layers=selector.run.num_layers, sets=sets, draft_seeds=seeds,
+                     seeds=list(cfg.seeds), settings=plan_settings(cfg, fcfg, tcfg, selector),
+                     vllm_sets=vllm["sets"], vllm_spec_tokens=vllm["spec_tokens"],
+                     run_model=read_json(man).get("model") if man.is_file() else None, block=selector.run.block)
 
 
 def plan_differences(old: dict, new: dict) -> list[str]:
-    """What a rerun changed that its finished drafts and benchmarks depend on (empty: it may continue).
+    """What a rerun changed that its finished drafts and benchmarks depend on (empty: it may continue); ``old``:
+    plan.json as read (any layout), ``new``: this run's plan's JSON.
 
     Sets and seeds (a set's too) may be added or dropped; a set that keeps its name must keep its layers.
     """
-    settings = _data_by_content(old.get("settings", {}))
-    if "train" in settings:
-        settings = {**settings, "train": with_added_settings(settings["train"])}
+    settings = compat.train_settings(compat.data_by_content(old.get("settings", {})))
     diffs = settings_diff(settings, new["settings"], "plan.json")
     if old.get("model") != new["model"]:
         diffs.append(f"model: {old.get('model')!r} in plan.json, {new['model']!r} now")
@@ -346,19 +388,24 @@ def settings_differences(study_dir: str | Path, cfg: StudyConfig, fcfg: FeatureC
     return plan_differences(old, {"model": fcfg.model, "sets": [], "settings": plan_settings(cfg, fcfg, tcfg, None)})
 
 
-def write_plan(study_dir: str | Path, plan: dict, restart: bool = False) -> Path:
+def write_plan(study_dir: str | Path, plan: StudyPlan, restart: bool = False) -> Path:
     """Check ``plan`` against STUDY_DIR/plan.json (unless ``restart``) and write it.
 
     Raises ValueError listing every difference that would make the finished work invalid.
     """
     path = Path(study_dir) / PLAN
     if path.is_file() and not restart:
-        _require_same(path, plan_differences(read_json(path), plan))
+        _require_same(path, plan_differences(read_json(path), plan.to_json()))
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, plan)
+    write_json(path, plan.to_json())
     return path
 
 
-__all__ = ["DEFAULT_SETS", "PLAN", "LayerSet", "StudyConfig", "layer_sets", "make_plan", "parse_set",
-           "plan_differences", "plan_seeds", "require_same_settings", "resolve_sets", "set_seeds", "set_slug",
+def load_plan(study_dir: str | Path) -> StudyPlan:
+    """STUDY_DIR/plan.json, of any layout."""
+    return StudyPlan.from_json(read_json(Path(study_dir) / PLAN))
+
+
+__all__ = ["DEFAULT_SETS", "PLAN", "LayerSet", "StudyConfig", "StudyPlan", "load_plan", "make_plan", "parse_set",
+           "plan_differences", "require_same_settings", "resolve_sets", "set_seeds", "set_slug",
            "settings_differences", "write_plan"]

@@ -25,32 +25,33 @@ import hashlib
 import shutil
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from elsi.collect.store import RunError, read_json, write_json
+from elsi import runtime
 from elsi.data.conversations import Dataset
 from elsi.decode.drafters import load_drafter
 from elsi.decode.tree import TreeConfig
-from elsi.draft.features import MANIFEST as FEATURE_MANIFEST
-from elsi.draft.features import FeatureConfig, FeatureStore, build_features
+from elsi.draft.cache import FeatureStore
+from elsi.draft.checkpoint import TRAINING
+from elsi.draft.features import FeatureConfig, build_features
 from elsi.draft.features import Progress as FeatureProgress
-from elsi.draft.train import TRAINING, TrainConfig, matmul_dtype, train_draft
+from elsi.draft.train import TrainConfig, matmul_dtype, train_draft
 from elsi.draft.train import Progress as TrainProgress
 from elsi.engines.vllm import VllmBenchConfig, progress_path, require_float32, run_vllm_bench
-from elsi.models import adapters
+from elsi.io import RunError, read_json, write_json
 from elsi.models.load import Target
-from elsi.report.study import study_markdown
+from elsi.report.study import STUDY_JSON, load_study, study_markdown
 from elsi.specbench.runner import Answer, machine_info, machine_label, run_bench, timing_key
-from elsi.study.plan import PLAN, LayerSet, StudyConfig, layer_sets, plan_seeds, write_plan
+from elsi.study import compat
+from elsi.study.plan import PLAN, LayerSet, StudyConfig, StudyPlan, write_plan
 from elsi.study.summary import summarize_study
 
 DRAFTS = "drafts"
 BENCH = "bench"
 BASELINE = "baseline.json"
-STUDY_JSON = "study.json"
 STUDY_MD = "study.md"
 FEATURES = "features"
 VLLM = "vllm"
@@ -113,54 +114,37 @@ def draft_complete(path: Path) -> bool:
     return rec is not None and rec.get("status") == "complete"
 
 
-def _features_dtype(study_dir: Path, rec: dict) -> str | None:
-    """The target's dtype in the feature pass a finished draft trained on: its record's, else its feature
-    cache's, else the copy of that cache's features.json kept beside the study's records (``bench/study_results.sh``)."""
-    data = rec.get("data", {})
-    if data.get("features_dtype"):
-        return data["features_dtype"]
-    cache = [Path(data["features_dir"]) / FEATURE_MANIFEST] if data.get("features_dir") else []
-    for man in cache + [study_dir / FEATURE_MANIFEST]:
-        if man.is_file():
-            try:
-                return read_json(man).get("settings", {}).get("dtype", "float32")
-            except RunError:
-                continue
-    return None
-
-
-def precision_differences(study_dir: str | Path, plan: dict, feature_dtype: str | None, mm_dtype: str) -> list[str]:
+def precision_differences(study_dir: str | Path, plan: StudyPlan, feature_dtype: str | None, mm_dtype: str) -> list[str]:
     """The study's finished drafts whose precision differs from what this run would train the others in:
     ``--dtype`` and ``--train-dtype auto`` resolve per machine (bf16 where it is native), so the same plan.json
     resumed on another machine could mix precisions, and the sets' τ would then differ by precision, not by
     layers. ``feature_dtype`` (None: not checked): the target's dtype in this run's feature pass;
     ``mm_dtype``: the dtype of this run's training matmuls. Each entry: "<draft>: <what> <recorded>"."""
     d, out = Path(study_dir), []
-    for s in layer_sets(plan):
-        for seed in plan_seeds(plan)[s.name]:
-            path = draft_dir(d, s, seed)
-            rec = _readable(path / TRAINING)
-            if rec is None or rec.get("status") != "complete":
-                continue  # a begun draft's checkpoint is checked by train_draft itself
-            what = []
-            mm = rec.get("train_matmul_dtype", "float32")
-            if mm != mm_dtype:
-                what.append(f"{mm} matmuls")
-            fd = _features_dtype(d, rec)
-            if feature_dtype is not None and fd is not None and fd != feature_dtype:
-                what.append(f"features from the target in {fd}")
-            if what:
-                out.append(f"{path.name}: " + ", ".join(what))
+    for s, seed in plan.drafts:
+        path = draft_dir(d, s, seed)
+        rec = _readable(path / TRAINING)
+        if rec is None or rec.get("status") != "complete":
+            continue  # a begun draft's checkpoint is checked by train_draft itself
+        what = []
+        mm = compat.matmul_dtype(rec)
+        if mm != mm_dtype:
+            what.append(f"{mm} matmuls")
+        fd = compat.features_dtype(d, rec)
+        if feature_dtype is not None and fd is not None and fd != feature_dtype:
+            what.append(f"features from the target in {fd}")
+        if what:
+            out.append(f"{path.name}: " + ", ".join(what))
     return out
 
 
-def check_precision(study_dir: str | Path, plan: dict, feature_dtype: str | None, train_dtype: str,
+def check_precision(study_dir: str | Path, plan: StudyPlan, feature_dtype: str | None, train_dtype: str,
                     device: torch.device) -> str:
     """Raise ValueError naming the finished drafts of ``plan`` in ``study_dir`` that were trained in another precision
     than this run would train the rest in on ``device`` (``--train-dtype`` ``train_dtype``, the feature pass's target
     in ``feature_dtype``; see ``precision_differences``) -> the precision this run trains in, as words."""
     mm_dtype = str(matmul_dtype(train_dtype, device)[0]).removeprefix("torch.")
-    here = f"{mm_dtype} matmuls, features from the target in {feature_dtype}; {adapters.fast_bf16(device)[1]}"
+    here = f"{mm_dtype} matmuls, features from the target in {feature_dtype}; {runtime.fast_bf16(device)[1]}"
     mixed = precision_differences(study_dir, plan, feature_dtype, mm_dtype)
     if mixed:
         raise ValueError(
@@ -181,7 +165,7 @@ def clear_study(study_dir: str | Path) -> None:
         (d / name).unlink(missing_ok=True)
 
 
-def prepare_study(study_dir: str | Path, plan: dict, restart: bool = False) -> Path:
+def prepare_study(study_dir: str | Path, plan: StudyPlan, restart: bool = False) -> Path:
     """Start (``restart``: start over) or continue the study in ``study_dir``; writes plan.json.
 
     Raises ValueError naming every setting that differs from the existing plan.json.
@@ -191,9 +175,9 @@ def prepare_study(study_dir: str | Path, plan: dict, restart: bool = False) -> P
     return write_plan(study_dir, plan)
 
 
-def feature_config(fcfg: FeatureConfig, plan: dict, study_dir: str | Path) -> FeatureConfig:
+def feature_config(fcfg: FeatureConfig, plan: StudyPlan, study_dir: str | Path) -> FeatureConfig:
     """The feature cache of the study: every set's layers, in STUDY_DIR/features unless --features-dir."""
-    return replace(fcfg, cache_layers=",".join(map(str, plan["cache_layers"])),
+    return replace(fcfg, cache_layers=",".join(map(str, plan.cache_layers)),
                    features_dir=fcfg.features_dir or str(Path(study_dir) / FEATURES))
 
 
@@ -210,128 +194,174 @@ def _bench_record(res: dict, **extra) -> dict:
     return {**extra, "versions": package_versions(), "machine": machine_info(), **res}
 
 
-def run_study(target: Target, dataset: Dataset, plan: dict, cfg: StudyConfig, fcfg: FeatureConfig,
-              tcfg: TrainConfig, device: torch.device, hooks: Hooks | None = None, command: str = "",
+@dataclass(frozen=True)
+class StudyRun:
+    """What every step of one ``run_study`` call shares."""
+
+    target: Target  # the plan's model: it decodes and gives the drafts' labels
+    plan: StudyPlan  # the study's plan.json (``prepare_study`` wrote it)
+    cfg: StudyConfig  # the study's settings; ``cfg.out`` is the study directory
+    fcfg: FeatureConfig  # the feature pass (its cache's layers and directory: ``feature_config``)
+    tcfg: TrainConfig  # the training template: each draft uses it with its own layers, out and cfg.train_budget
+    device: torch.device  # where the drafts train
+    hooks: Hooks = field(default_factory=Hooks)  # progress callbacks
+
+    @property
+    def study_dir(self) -> Path:
+        return Path(self.cfg.out)
+
+    @property
+    def per_draft(self) -> int:
+        """Steps per draft: its training, then its live benchmark and its exact τ where the study has them."""
+        return 1 + bool(self.cfg.live_temperatures) + bool(self.cfg.exact_settings())
+
+    @property
+    def steps(self) -> int:
+        """Steps in all: the features, the baseline, every draft's, one per draft vLLM serves, the summary."""
+        served = sum(len(self.plan.draft_seeds[s.name]) for s in self.plan.served)
+        return 3 + len(self.plan.drafts) * self.per_draft + served
+
+    def say(self, i: int, text: str) -> None:
+        """Step ``i`` (of ``steps``) begins: ``text`` says what it does."""
+        if self.hooks.step is not None:
+            self.hooks.step(i, self.steps, text)
+
+
+def run_study(run: StudyRun, dataset: Dataset, command: str = "",
               features_target: Target | Callable[[], Target] | None = None, feature_dtype: str | None = None) -> dict:
-    """Run (or continue) the study planned in ``plan`` (see ``prepare_study``) -> study.json's dict.
+    """Run (or continue) the study planned in ``run.plan`` (see ``prepare_study``) -> study.json's dict.
 
-    ``tcfg`` is the training template: every set's draft uses it with its own layers and out
-    directory and ``cfg.train_budget``. ``target`` must be the plan's model; it decodes and gives the
-    drafts' labels. ``features_target``: the same model in the precision of the feature pass (e.g. bf16,
-    the bulk forwards' dtype, beside a float32 ``target`` for decoding), or a function that loads it
-    (the loaded copy is let go after the feature step); default ``target``. ``feature_dtype``: that copy's dtype
-    when ``features_target`` is a function (else read from it). ``command``: recorded in study.json and study.md.
+    ``dataset``: the conversations the drafts train on. ``features_target``: the same model as ``run.target`` in
+    the precision of the feature pass (e.g. bf16, the bulk forwards' dtype, beside a float32 ``target`` for
+    decoding), or a function that loads it (the loaded copy is let go after the feature step); default
+    ``run.target``. ``feature_dtype``: that copy's dtype when ``features_target`` is a function (else read from
+    it). ``command``: recorded in study.json and study.md.
 
-    Raises ValueError, before any work, when finished drafts were trained in another precision than this run
-    would train the rest in (``precision_differences``).
+    Raises ValueError, before any work, when the target is not the analysis's model or finished drafts were trained
+    in another precision than this run would train the rest in (``precision_differences``).
     """
-    hooks = hooks or Hooks()
-    say = hooks.step or (lambda i, n, text: None)
-    study_dir = Path(cfg.out)
-    if target.num_layers != plan["num_layers"]:
-        raise ValueError(f"the target has N = {target.num_layers} layers, the analysis in {plan['settings']['run']} "
-                         f"N = {plan['num_layers']}: analyze this model first (--run)")
+    plan, study_dir = run.plan, run.study_dir
+    if run.target.num_layers != plan.num_layers:
+        raise ValueError(f"the target has N = {run.target.num_layers} layers, the analysis in {plan.settings['run']} "
+                         f"N = {plan.num_layers}: analyze this model first (--run)")
     if feature_dtype is None and not callable(features_target):
-        feature_dtype = (features_target or target).dtype_name
-    check_precision(study_dir, plan, feature_dtype, tcfg.train_dtype, device)
-    sets, seeds = layer_sets(plan), plan_seeds(plan)
-    served = plan.get("vllm", {}).get("sets", [])
-    live = cfg.live_temperatures
-    exact = cfg.exact_settings()
-    n = 3 + sum((1 + bool(live) + bool(exact) + (s.name in served)) * len(seeds[s.name]) for s in sets)
+        feature_dtype = (features_target or run.target).dtype_name
+    check_precision(study_dir, plan, feature_dtype, run.tcfg.train_dtype, run.device)
     (study_dir / BENCH).mkdir(parents=True, exist_ok=True)
-    if exact:
+    if run.cfg.exact_settings():
         (study_dir / EXACT).mkdir(exist_ok=True)
-    if served:
+    if plan.vllm_sets:
         (study_dir / VLLM).mkdir(exist_ok=True)
 
     # Step 1: the target's features for every set's layers, once.
-    fc = feature_config(fcfg, plan, study_dir)
-    say(1, n, f"target features for layers {plan['cache_layers']} in {fc.features_dir}")
-    store = study_features(features_target or target, dataset, fc, plan["cache_layers"], hooks.features)
-
+    store = features_step(run, dataset, features_target or run.target)
     # Step 2: the baseline (plain decoding and transformers generate), once per machine.
-    here = machine_info()
-    base_path = baseline_path(study_dir, here)
-    if not live:
-        say(2, n, "baseline: none (no temperature is decoded live, so nothing is timed)")
-    elif _readable(base_path) is not None:
-        say(2, n, f"baseline: plain decoding and transformers generate (done: {base_path})")
-    else:
-        again = "" if base_path.name == BASELINE else (f", timed again on this machine ({machine_label(here)}) for "
-                                                        f"the drafts benchmarked here ({base_path})")
-        say(2, n, "baseline: plain decoding and transformers generate" + again)
-        res = run_bench(target, None, live_bench(cfg, fcfg.model, baseline=True), on_answer=hooks.bench)
-        write_json(base_path, _bench_record(res, set=None, seed=None, draft=None))
-
-    # Step 3: one draft per set and each of its seeds, then its benchmark; seed by seed (every set's first
+    baseline_step(run)
+    # Step 3: one draft per set and each of its seeds, then its benchmarks; seed by seed (every set's first
     # seed, then every set's second, ...), so that a study stopped part way already holds paired seeds.
-    i = 2
     benches: dict[tuple[str, int], dict] = {}
     trained: dict[tuple[str, int], dict] = {}  # each draft's training.json
-    for s, seed in seed_major(sets, seeds):
-        out = draft_dir(study_dir, s, seed)
-        i += 1
-        what = f"{s.name} {list(s.layers)} seed {seed}"
-        if draft_complete(out):
-            say(i, n, f"training {what} (done: {out})")
-        else:
-            say(i, n, f"training {what}")
-            t = replace(tcfg, layers=",".join(map(str, s.layers)), out=str(out), time_budget=cfg.train_budget,
-                        restart=False)
-            train_draft(target, store, t, seed, device, samples=fcfg.samples, on_progress=hooks.train)
-        rec = {"answers": []}
-        if live:
-            path = bench_path(study_dir, s, seed)
-            i += 1
-            if _readable(path) is not None:
-                say(i, n, f"benchmarking {what} (done: {path})")
-            else:
-                say(i, n, f"benchmarking {what}")
-                drafter, info = load_drafter(str(out), target)
-                res = run_bench(target, drafter, live_bench(cfg, fcfg.model, draft=str(out)),
-                                on_answer=hooks.bench)
-                write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
-            rec = read_json(path)
-        if exact:
-            i += 1
-            rec = {**rec, "answers": rec["answers"] + exact_answers(
-                exact_step(target, str(out), s, seed, cfg, study_dir, lambda text: say(i, n, text), hooks))}
-        benches[(s.name, seed)] = rec
-        trained[(s.name, seed)] = read_json(out / TRAINING)
-    order = [(s.name, seed) for s in sets for seed in seeds[s.name]]  # the summary reads them set by set
+    for k, (s, seed) in enumerate(plan.seed_major()):
+        benches[(s.name, seed)], trained[(s.name, seed)] = draft_steps(run, store, s, seed, 3 + k * run.per_draft)
+    order = [(s.name, seed) for s, seed in plan.drafts]  # the summary reads them set by set
     benches, trained = {k: benches[k] for k in order}, {k: trained[k] for k in order}
-
     # Step 4: vLLM serves the --vllm-sets drafts (chains), next to elsi's chain on the same questions.
-    vllm = {}
-    want = vllm_settings(cfg, fcfg.model)
-    for s in sets:
-        if s.name not in served:
-            continue
-        for seed in seeds[s.name]:
-            path = vllm_path(study_dir, s, seed)
-            i += 1
+    vllm = vllm_steps(run, 3 + len(order) * run.per_draft)
+    # Step 5: the summary.
+    run.say(run.steps, f"summary: {STUDY_JSON}, {STUDY_MD}")
+    return write_summary(study_dir, plan, benches, [read_json(p) for p in baseline_paths(study_dir)],
+                         run.cfg.bootstrap, command, vllm, trained)
+
+
+def features_step(run: StudyRun, dataset: Dataset, target: Target | Callable[[], Target]) -> FeatureStore | None:
+    """Step 1: the study's feature cache (``study_features``), by ``target`` or the target it loads; None when every
+    draft of the plan is trained already (a finished study, or finished drafts' records copied from another
+    machine: ``bench/study_results.sh``), which then needs no features."""
+    fc = feature_config(run.fcfg, run.plan, run.study_dir)
+    if all(draft_complete(draft_dir(run.study_dir, s, seed)) for s, seed in run.plan.drafts):
+        run.say(1, f"target features: none needed (every draft is trained; the cache is {fc.features_dir})")
+        return None
+    run.say(1, f"target features for layers {run.plan.cache_layers} in {fc.features_dir}")
+    return study_features(target, dataset, fc, run.plan.cache_layers, run.hooks.features)
+
+
+def baseline_step(run: StudyRun) -> None:
+    """Step 2: plain decoding and transformers generate at the temperatures decoded live, timed once per machine
+    (``baseline_path``); nothing when no temperature is decoded live."""
+    here = machine_info()
+    path = baseline_path(run.study_dir, here)
+    if not run.cfg.live_temperatures:
+        run.say(2, "baseline: none (no temperature is decoded live, so nothing is timed)")
+    elif _readable(path) is not None:
+        run.say(2, f"baseline: plain decoding and transformers generate (done: {path})")
+    else:
+        again = "" if path.name == BASELINE else (f", timed again on this machine ({machine_label(here)}) for "
+                                                   f"the drafts benchmarked here ({path})")
+        run.say(2, "baseline: plain decoding and transformers generate" + again)
+        res = run_bench(run.target, None, live_bench(run.cfg, run.fcfg.model, baseline=True), on_answer=run.hooks.bench)
+        write_json(path, _bench_record(res, set=None, seed=None, draft=None))
+
+
+def draft_steps(run: StudyRun, store: FeatureStore | None, s: LayerSet, seed: int, first: int) -> tuple[dict, dict]:
+    """Step 3 for one draft, as steps ``first``, ``first`` + 1, ...: train it (or resume, or reuse it), then its live
+    benchmark and its exact τ where the study has them -> (its answers as the summary reads them, training.json)."""
+    out = draft_dir(run.study_dir, s, seed)
+    what = f"{s.name} {list(s.layers)} seed {seed}"
+    if draft_complete(out):
+        run.say(first, f"training {what} (done: {out})")
+    else:
+        assert store is not None, "features_step builds the features whenever a draft is not trained"
+        run.say(first, f"training {what}")
+        t = replace(run.tcfg, layers=",".join(map(str, s.layers)), out=str(out), time_budget=run.cfg.train_budget,
+                    restart=False)
+        train_draft(run.target, store, t, seed, run.device, samples=run.fcfg.samples, on_progress=run.hooks.train)
+    i, rec = first, {"answers": []}
+    if run.cfg.live_temperatures:
+        i += 1
+        rec = bench_step(run, s, seed, lambda text: run.say(i, text))
+    if run.cfg.exact_settings():
+        i += 1
+        exact = exact_step(run, s, seed, lambda text: run.say(i, text))
+        rec = {**rec, "answers": rec["answers"] + exact_answers(exact)}
+    return rec, read_json(out / TRAINING)
+
+
+def bench_step(run: StudyRun, s: LayerSet, seed: int, say: Callable[[str], None]) -> dict:
+    """A draft's benchmark at the temperatures decoded live (``bench/<set>-s<seed>.json``; one that exists is
+    reused)."""
+    path = bench_path(run.study_dir, s, seed)
+    what = f"benchmarking {s.name} {list(s.layers)} seed {seed}"
+    if _readable(path) is not None:
+        say(f"{what} (done: {path})")
+    else:
+        say(what)
+        out = str(draft_dir(run.study_dir, s, seed))
+        drafter, info = load_drafter(out, run.target)
+        res = run_bench(run.target, drafter, live_bench(run.cfg, run.fcfg.model, draft=out), on_answer=run.hooks.bench)
+        write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
+    return read_json(path)
+
+
+def vllm_steps(run: StudyRun, first: int) -> dict[tuple[str, int], dict]:
+    """Step 4, as steps ``first``, ``first`` + 1, ...: every draft of the sets vLLM serves, served by vLLM and by
+    elsi's chain (``vllm/<set>-s<seed>.json``; one made with other settings is redone) -> those files, by
+    (set name, seed)."""
+    vllm, want, i = {}, vllm_settings(run.cfg, run.fcfg.model), first
+    for s in run.plan.served:
+        for seed in run.plan.draft_seeds[s.name]:
+            path = vllm_path(run.study_dir, s, seed)
             rec = _readable(path)
             if rec is not None and rec.get("study_settings") == want:
-                say(i, n, f"vLLM serves {s.name} seed {seed} (done: {path})")
+                run.say(i, f"vLLM serves {s.name} seed {seed} (done: {path})")
             else:
-                say(i, n, f"vLLM serves {s.name} seed {seed}: chains of k = {cfg.vllm_spec_tokens}")
+                run.say(i, f"vLLM serves {s.name} seed {seed}: chains of k = {run.cfg.vllm_spec_tokens}")
                 progress = progress_path(path)
-                rec = run_vllm_step(target, str(draft_dir(study_dir, s, seed)), cfg, fcfg.model, hooks, progress)
+                rec = run_vllm_step(run, str(draft_dir(run.study_dir, s, seed)), progress)
                 write_json(path, _bench_record(rec, set=s.name, seed=seed, study_settings=want))
                 progress.unlink(missing_ok=True)
             vllm[(s.name, seed)] = rec
-
-    # Step 5: the summary.
-    say(n, n, f"summary: {STUDY_JSON}, {STUDY_MD}")
-    return write_summary(study_dir, plan, benches, [read_json(p) for p in baseline_paths(study_dir)], cfg.bootstrap,
-                         command, vllm, trained)
-
-
-def seed_major(sets: list[LayerSet], seeds: dict[str, list[int]]) -> list[tuple[LayerSet, int]]:
-    """Every (set, seed) draft, the k-th seed of every set before any set's (k+1)-th."""
-    deepest = max((len(v) for v in seeds.values()), default=0)
-    return [(s, seeds[s.name][k]) for k in range(deepest) for s in sets if k < len(seeds[s.name])]
+            i += 1
+    return vllm
 
 
 def live_bench(cfg: StudyConfig, model: str, draft: str = "", baseline: bool = False):
@@ -343,26 +373,26 @@ def exact_path(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
     return Path(study_dir) / EXACT / f"{s.slug}-s{seed}.json"
 
 
-def exact_step(target: Target, draft_path: str, s: LayerSet, seed: int, cfg: StudyConfig, study_dir: Path,
-               say: Callable[[str], None], hooks: Hooks) -> dict:
+def exact_step(run: StudyRun, s: LayerSet, seed: int, say: Callable[[str], None]) -> dict:
     """A draft's exact τ at temperature 0 (``exact/<set>-s<seed>.json``; one made with other settings is redone)."""
     from elsi.specbench.answers import greedy_answers
     from elsi.specbench.exact import exact_tau
 
-    path = exact_path(study_dir, s, seed)
-    want = cfg.exact_settings()
+    path = exact_path(run.study_dir, s, seed)
+    want = run.cfg.exact_settings()
     rec = _readable(path)
     what = f"exact τ of {s.name} seed {seed} at temperature 0"
     if rec is not None and rec.get("study_settings") == want:
         say(f"{what} (done: {path})")
         return rec
     say(f"{what}: {want['questions_per_subtask']} questions per subtask, trees of {want['tree_nodes']} nodes")
-    answers = greedy_answers(target, want["subtasks"], want["questions_per_subtask"], want["max_new_tokens"],
-                             on_progress=hooks.exact and (lambda d, t: hooks.exact("target answers", d, t)))
-    drafter, info = load_drafter(draft_path, target)
+    hook = run.hooks.exact
+    answers = greedy_answers(run.target, want["subtasks"], want["questions_per_subtask"], want["max_new_tokens"],
+                             on_progress=hook and (lambda d, t: hook("target answers", d, t)))
+    drafter, info = load_drafter(str(draft_dir(run.study_dir, s, seed)), run.target)
     trees = [TreeConfig(n, want["depth"], want["top_k"]) for n in want["tree_nodes"]]
-    res = exact_tau(target, drafter.draft, answers, trees, want["max_new_tokens"],
-                    on_progress=hooks.exact and (lambda d, t: hooks.exact("exact τ", d, t)))
+    res = exact_tau(run.target, drafter.draft, answers, trees, want["max_new_tokens"],
+                    on_progress=hook and (lambda d, t: hook("exact τ", d, t)))
     rec = _bench_record(res, set=s.name, seed=seed, draft=info, study_settings=want)
     write_json(path, rec)
     return rec
@@ -388,18 +418,18 @@ def vllm_settings(cfg: StudyConfig, model: str) -> dict:
             "max_new_tokens": cfg.max_new_tokens, "seed": cfg.bench_seed}
 
 
-def run_vllm_step(target: Target, draft: str, cfg: StudyConfig, model: str, hooks: Hooks,
-                  progress: Path | None = None) -> dict:
+def run_vllm_step(run: StudyRun, draft: str, progress: Path | None = None) -> dict:
     """One draft served by vLLM and by elsi's chain, each --vllm-spec-tokens k, at temperature 0
     (``progress``: its finished configurations, kept across an interruption)."""
-    require_float32(target.model.dtype, "--vllm-sets")
-    bench = replace(cfg.bench_config(model, draft=draft), temperature=[0.0], hf_generate=False, plain=False)
-    vcfg = VllmBenchConfig(engine="vllm", spec_tokens=list(cfg.vllm_spec_tokens), bootstrap=cfg.bootstrap)
-    return run_vllm_bench(target, draft, bench, vcfg, threads=torch.get_num_threads(), on_answer=hooks.vllm,
+    require_float32(run.target.model.dtype, "--vllm-sets")
+    bench = replace(run.cfg.bench_config(run.fcfg.model, draft=draft), temperature=[0.0], hf_generate=False,
+                    plain=False)
+    vcfg = VllmBenchConfig(engine="vllm", spec_tokens=list(run.cfg.vllm_spec_tokens), bootstrap=run.cfg.bootstrap)
+    return run_vllm_bench(run.target, draft, bench, vcfg, threads=torch.get_num_threads(), on_answer=run.hooks.vllm,
                           plain=False, progress=progress)
 
 
-def write_summary(study_dir: str | Path, plan: dict, benches: dict, baseline: dict | list[dict], bootstrap: int,
+def write_summary(study_dir: str | Path, plan: StudyPlan, benches: dict, baseline: dict | list[dict], bootstrap: int,
                   command: str = "", vllm: dict | None = None, trained: dict | None = None) -> dict:
     """study.json and study.md from the plan, the benchmarks, vLLM's runs and the drafts' training.json
     (each keyed (set name, seed)) and the baseline, or each machine's (``summarize_study``)."""
@@ -412,16 +442,6 @@ def write_summary(study_dir: str | Path, plan: dict, benches: dict, baseline: di
     return study
 
 
-def load_study(study_dir: str | Path) -> dict:
-    """A finished study's study.json; FileNotFoundError naming the directory otherwise."""
-    path = Path(study_dir) / STUDY_JSON
-    if not path.is_file():
-        raise FileNotFoundError(f"{study_dir} has no {STUDY_JSON}: run `elsi study --out {study_dir}` first")
-    return read_json(path, fix=f"rerun the same `elsi study --out {study_dir}` command (it rewrites {STUDY_JSON} from "
-                               "the finished benchmarks)")
-
-
-__all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "baseline_path", "baseline_paths",
-           "bench_path", "check_precision", "clear_study", "draft_dir", "draft_complete", "exact_path", "feature_config",
-           "load_study",
-           "prepare_study", "run_study", "write_summary"]
+__all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "StudyRun", "baseline_path",
+           "baseline_paths", "bench_path", "check_precision", "clear_study", "draft_dir", "draft_complete",
+           "exact_path", "feature_config", "load_study", "prepare_study", "run_study", "write_summary"]

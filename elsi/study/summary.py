@@ -29,7 +29,7 @@ import numpy as np
 
 from elsi.specbench.runner import machine_label, timing_key
 from elsi.stats.sampling import interval, mean, pooled_tau, resample_weights, spearman
-from elsi.study.plan import plan_seeds
+from elsi.study.plan import StudyPlan
 from elsi.text import layer_list, num
 
 REFERENCES = ("eagle3", "eagle2")  # the defaults a study compares against
@@ -47,6 +47,11 @@ def _clean(x):
 
 def _tps(a: dict) -> float:
     return a["new_tokens"] / a["time_s"] if a["time_s"] > 0 else 0.0
+
+
+def _timed(a: dict) -> bool:
+    """Whether an answer was decoded (and timed): the exact evaluator's answers (``exact``) were not."""
+    return not a.get("exact")
 
 
 def condition_label(temperature: float | None, tree_nodes: int | None) -> str:
@@ -125,8 +130,9 @@ def delta_pct_interval(stats: dict[tuple[str, int], dict], seeds: dict[str, list
 def draft_stats(answers: list[dict], qids: list[int], subtask_of: dict[int, str], temperature, tree_nodes,
                 plain: dict, hf: dict) -> dict:
     """One draft's figures in one condition: accepted and steps per question (Q,), τ per subtask and
-    all, tokens/s and speed-ups."""
+    all, tokens/s and speed-ups (over its decoded answers only: None where the exact evaluator gave them all)."""
     group = [a for a in answers if _in_condition(a, temperature, tree_nodes)]
+    timed = [a for a in group if _timed(a)]
     pos = {q: i for i, q in enumerate(qids)}
     acc = np.zeros(len(qids))
     steps = np.zeros(len(qids))
@@ -145,10 +151,10 @@ def draft_stats(answers: list[dict], qids: list[int], subtask_of: dict[int, str]
     return {
         "accepted": acc, "steps": steps, "tau": tau,
         "tau_all": float(acc.sum() / steps.sum()) if steps.sum() else None,
-        "tokens_per_s": mean([_tps(a) for a in group]),
-        "speedup_vs_plain": mean([_tps(a) / _tps(plain[key(a)]) for a in group
+        "tokens_per_s": mean([_tps(a) for a in timed]),
+        "speedup_vs_plain": mean([_tps(a) / _tps(plain[key(a)]) for a in timed
                                    if key(a) in plain and _tps(plain[key(a)]) > 0]),
-        "speedup_vs_hf": mean([_tps(a) / _tps(hf[key(a)]) for a in group if key(a) in hf and _tps(hf[key(a)]) > 0]),
+        "speedup_vs_hf": mean([_tps(a) / _tps(hf[key(a)]) for a in timed if key(a) in hf and _tps(hf[key(a)]) > 0]),
     }
 
 
@@ -287,29 +293,29 @@ def _by_question(baseline: dict, method: str) -> dict:
     return {(a["question_id"], a["temperature"]): a for a in baseline["answers"] if a["method"] == method}
 
 
-def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: dict | list[dict],
+def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], baseline: dict | list[dict],
                     bootstrap: int = 1000, seed: int = 0, vllm: dict[tuple[str, int], dict] | None = None,
                     trained: dict[tuple[str, int], dict] | None = None) -> dict:
     """study.json's dict from the plan, every draft's benchmark (keyed (set name, seed)) and the baseline's, or
     the baselines of every machine the study ran on (the first gives the questions; each draft's speed-ups are
     against the one of its own machine, ``timing_key``); ``vllm``: the vLLM runs of ``--vllm-sets``, ``trained``:
     each draft's training.json (same keys)."""
-    bench = plan["settings"]["bench"]
-    seeds = plan_seeds(plan)
-    sets = [{**s, "seeds": seeds[s["name"]]} for s in plan["sets"]]
+    bench = plan.settings["bench"]
+    seeds = plan.draft_seeds
+    sets = plan.set_entries()  # as plan.json has them, each with its seeds
     baselines = [baseline] if isinstance(baseline, dict) else list(baseline)
     timed: dict[str, tuple[dict, dict, dict]] = {}  # timing key -> that machine, its (plain, hf) answers by question
     for b in baselines:
         timed.setdefault(timing_key(b.get("machine")),
                          (b.get("machine"), _by_question(b, "plain"), _by_question(b, "hf_generate")))
     base = [a for a in baselines[0]["answers"] if a["method"] == "plain"] if baselines else []
-    exact = plan["settings"].get("exact")  # temperature 0 from the exact evaluator (more questions)
+    exact = plan.exact  # temperature 0 from the exact evaluator (more questions)
     conditions = [(t, n) for t in bench["temperature"] for n in bench["tree_nodes"]]
     if exact and len(bench["tree_nodes"]) > 1:
         conditions.append((0.0, None))  # the claims' condition: every tree size of the exact τ pooled
     conditions.append((None, None))
     out = []
-    drafts = [(s["name"], sd) for s in sets for sd in seeds[s["name"]]]
+    drafts = [(s.name, sd) for s, sd in plan.drafts]
     where = {k: timing_key(benches[k].get("machine")) for k in drafts}
     all_subtasks: dict[str, None] = {}
     for t, n in conditions:
@@ -336,13 +342,13 @@ def summarize_study(plan: dict, benches: dict[tuple[str, int], dict], baseline: 
     untimed = [f"{name} s{sd} ({machine_label(benches[(name, sd)].get('machine'))})" for name, sd in drafts
                if where[(name, sd)] not in timed]
     study = {
-        "model": plan["model"], "run": plan["settings"]["run"], "num_layers": plan["num_layers"],
-        "sets": sets, "seeds": plan["seeds"], "subtasks": list(all_subtasks),
+        "model": plan.model, "run": plan.settings["run"], "num_layers": plan.num_layers,
+        "sets": sets, "seeds": plan.seeds, "subtasks": list(all_subtasks),
         "questions": max((c["questions"] for c in out), default=0),
         "bootstrap": {"resamples": bootstrap, "seed": seed, "unit": "Spec-Bench question",
                       "seeds": "paired seeds, drawn with replacement with the questions (Δ% intervals)"},
         "exact": exact,
-        "settings": plan["settings"], "baseline": speeds, "without_baseline": untimed, "conditions": out,
+        "settings": plan.settings, "baseline": speeds, "without_baseline": untimed, "conditions": out,
         "vllm": vllm_rows(vllm or {}),
         "training": training_rows(sets, trained or {}),
     }
