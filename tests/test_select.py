@@ -139,6 +139,11 @@ def test_select_all_says_why_eagle3_is_left_out(tiny_target, tiny_data, tmp_path
     saved = json.loads((run / "selections.json").read_text())
     assert saved["skipped"] == [{"method": "eagle3", "m": 3, "why": "eagle3 = [2, N//2, N-3] = [2, 3, 3] repeats or "
                                  "leaves the ids 1..N for N = 6 (it needs N >= 7)"}]
+    from elsi.report.build import build_report
+
+    paths = build_report([run])  # the report says it too
+    why = "Not in the table: eagle3 (m = 3): eagle3 = [2, N//2, N-3] = [2, 3, 3] repeats or leaves the ids 1..N"
+    assert why in paths["selection.md"].read_text() and why in paths["index.html"].read_text()
     assert main(["select", "--run", str(run), "--method", "eagle3"]) == 2
     assert "choose a set with --method elsi or exhaustive" in capsys.readouterr().err
 

@@ -202,6 +202,9 @@ def test_spec_only_bench_of_a_study_draft_agrees_with_elsis_chain(vpython, smoll
     res = run_vllm_bench(smollm2, str(draft_dir), bench, VllmBenchConfig(engine="vllm", spec_tokens=[2], bootstrap=50),
                          plain=False)
     assert {(r["method"], r["k"]) for r in res["runs"]} == {("spec", 2), ("vllm_spec", 2)}
+    (chk,) = res["states_check"]  # real vLLM hands the draft HF's hidden_states at its ids, checked on question 1
+    assert chk["ok"] and chk["vllm_layer_ids"] == chk["layer_ids"] == list(LAYERS)
+    assert max(chk["rel_err"]) < 1e-3 < min(chk["rel_err_nearest_neighbour"])
     served = next(r for r in res["runs"] if r["method"] == "vllm_spec")
     assert served["greedy_equal_elsi_spec"] == 2 and served["overall"]["speedup_vs_vllm_plain"] is None
     (row,) = vllm_rows({("eagle3", 0): res})

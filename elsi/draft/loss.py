@@ -234,7 +234,7 @@ class Tally:
             acc["loss_sum"] += s["loss"] * s["in_vocab"]
             for k in _COUNTS:
                 acc[k] += s[k]
-        self.runs += chain_runs(draft, batch, outs)
+        self.runs += chain_runs(draft, batch, outs).cpu()  # the histogram stays on the CPU whatever the device
 
     @classmethod
     def pooled(cls, tallies: Sequence[Tally], steps: int) -> Tally:

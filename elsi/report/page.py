@@ -96,6 +96,12 @@ def selection_table(run: dict) -> tuple[list[str], list[list[str]], list[bool]]:
     return header, rows, flags
 
 
+def left_out(run: dict) -> list[str]:
+    """What ``elsi select --method all`` left out of the table, each with why (selections.json ``skipped``)."""
+    sel = run.get("selections") or {}
+    return [f"{s['method']} (m = {s['m']}): {s['why']}" for s in sel.get("skipped", [])]
+
+
 def layer_table(analysis: dict) -> tuple[list[str], list[list[str]]]:
     """Per-layer numbers of ``analysis.json`` as text: one row per id 0..N."""
     a = analysis
@@ -198,6 +204,7 @@ def selection_markdown(runs: list[dict], study: dict | None = None) -> str:
         parts += [f"## {run['analysis']['model']}", "", summary(run), ""]
         parts += [f"- {k}: {v}" for k, v in run_facts(run)]
         parts += ["", md_table(header, rows), ""]
+        parts += [*(f"Not in the table: {w}." for w in left_out(run)), ""] if left_out(run) else []
         if run.get("selections") is None:
             parts += [f"Only the baselines are known; {SELECT_HINT.format(dir=run['dir'])} for ELSI, ELSI-C, "
                       "exhaustive ranks and gaps.", ""]
@@ -343,6 +350,7 @@ def index_html(runs: list[dict], out: Path, compare: Path | None = None, command
                 f'<p class="note">Only the baselines (computed from N = {r["analysis"]["num_layers"]}) are known: '
                 f"<code>{_esc(SELECT_HINT.format(dir=r['dir']).removeprefix('run ').strip('`'))}</code> "
                 "adds ELSI, ELSI-C, the exhaustive optimum, ranks and gaps.</p>")
+        note += "".join(f'<p class="note">Not in the table: {_esc(w)}.</p>' for w in left_out(r))
         blocks.append(f'<section><h3>{_esc(r["analysis"]["model"])}</h3>{note}'
                       f"{_html_table(header, rows, 'selection', r['label'], flags, text_cols=(0, 2, 7))}</section>")
     parts.append(grid(blocks))
@@ -366,5 +374,5 @@ def index_html(runs: list[dict], out: Path, compare: Path | None = None, command
     return "\n".join(parts)
 
 
-__all__ = ["captions", "fmt", "index_html", "layer_table", "run_facts", "selection_markdown", "selection_table",
+__all__ = ["captions", "fmt", "index_html", "layer_table", "left_out", "run_facts", "selection_markdown", "selection_table",
            "study_html", "summary"]
