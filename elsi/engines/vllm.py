@@ -131,7 +131,7 @@ class VllmWorker:
 
     def __init__(self, model: str | Path, draft: str | Path | None = None, k: int = 3, threads: int = 0,
                  kv_cache_gb: int = 1, max_model_len: int = 4096, log: str | Path | None = None,
-                 preload: str = "iomp") -> None:
+                 preload: str = "none") -> None:
         job = {"model": str(model), "draft": str(draft) if draft else "", "k": int(k), "max_model_len": max_model_len}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
@@ -202,8 +202,9 @@ class VllmBenchConfig:
     bootstrap: int = opt(2000, "question-bootstrap resamples of the vLLM - elsi difference in tau")
     vllm_log: str = opt("", "append vLLM's own output to this file (default: discarded)", affects_result=False)
     kv_cache_gb: int = opt(1, "VLLM_CPU_KVCACHE_SPACE in GiB (CPU only)")
-    vllm_preload: str = opt("iomp", "iomp: vLLM's worker runs with Intel OpenMP in LD_PRELOAD on an x86 CPU "
-                                    "(faster: bench/results/vllm_preload.json); none: as vLLM starts by itself",
+    vllm_preload: str = opt("none", "none: vLLM's worker starts as vLLM starts by itself; iomp: with Intel OpenMP in "
+                                    "LD_PRELOAD on an x86 CPU, which vLLM's warning recommends for speculative "
+                                    "decoding (measured: docs/engines.md)",
                             choices=PRELOADS)
 
     def __post_init__(self) -> None:
