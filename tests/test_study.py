@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -794,6 +795,16 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     capsys.readouterr()
     assert main(argv) == 0 and calls == []
     assert "exact τ of eagle3 seed 0 at temperature 0 (done" in capsys.readouterr().err
+    # On another machine, from the finished drafts' records alone (what bench/study_results.sh keeps: no weights,
+    # no feature cache): nothing is trained, benchmarked or built, and the summary is the same.
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved, ignore=shutil.ignore_patterns("*.safetensors", "features", "report", "study.*"))
+    assert not list(moved.rglob("*.safetensors")) and not (moved / "features").exists()
+    monkeypatch.setattr(elsi.study.run, "study_features", lambda *a, **k: calls.append(a) or {})
+    assert main([*argv[:argv.index("--out") + 1], str(moved), *argv[argv.index("--out") + 2:]]) == 0 and calls == []
+    assert "target features: none needed (every draft is trained" in capsys.readouterr().err
+    again = json.loads((moved / "study.json").read_text())
+    assert again["conditions"] == study["conditions"] and again["verdict"] == study["verdict"]
     # Temperature above 0 with the exact evaluator is refused by elsi bench, before any model loads.
     assert main(["bench", "--draft", "random", "--exact", "--temperature", "1"]) == 2
     assert "--exact computes τ at temperature 0 only" in capsys.readouterr().err
