@@ -808,3 +808,45 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     # Temperature above 0 with the exact evaluator is refused by elsi bench, before any model loads.
     assert main(["bench", "--draft", "random", "--exact", "--temperature", "1"]) == 2
     assert "--exact computes τ at temperature 0 only" in capsys.readouterr().err
+
+
+def test_exact_only_study_takes_on_a_live_temperature_later(tiny_dir, tiny_run, tiny_data, tmp_path, monkeypatch,
+                                                            capsys):
+    """A study that decoded nothing live (temperature 0 from the exact evaluator only) may add temperature 1 decoded
+    live on a question subset: nothing is trained or evaluated again, every draft gets its live benchmark, and the
+    tables say how many questions each condition has. Once something was decoded live, its settings are fixed."""
+    import elsi.specbench.exact
+    import elsi.study.run
+
+    monkeypatch.setenv("ELSI_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "study"
+    argv = _argv(tiny_dir, tiny_run, tiny_data, out, "--sets", "eagle3", "elsi:2", "--seeds", "0",
+                 "--temperature", "0", "--exact-questions-per-subtask", "2", "--bootstrap", "20")
+    assert main(argv) == 0
+    assert not (out / "bench").exists() or not list((out / "bench").glob("*.json"))
+    first = json.loads((out / "study.json").read_text())
+    assert {c["temperature"] for c in first["conditions"]} == {0.0, None}
+    calls = []
+    monkeypatch.setattr(elsi.specbench.exact, "exact_tau", lambda *a, **k: calls.append("exact") or {})
+    monkeypatch.setattr(elsi.study.run, "train_draft", lambda *a, **k: calls.append("train") or {})
+    live = [*argv, "--temperature", "0", "1", "--questions-per-subtask", "1"]
+    capsys.readouterr()
+    assert main(live) == 0 and calls == []
+    err = capsys.readouterr().err
+    assert "benchmarking eagle3 [" in err and "training eagle3" in err and "(done:" in err
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["settings"]["bench"]["temperature"] == [0.0, 1.0]
+    assert plan["settings"]["bench"]["questions_per_subtask"] == 1
+    for s in plan["sets"]:
+        rec = json.loads((out / "bench" / f"{s['slug']}-s0.json").read_text())
+        assert {r["temperature"] for r in rec["runs"]} == {1.0}
+    study = json.loads((out / "study.json").read_text())
+    by = {(c["temperature"], c["tree_nodes"]): c for c in study["conditions"]}
+    assert by[(0.0, 4)]["questions"] == 2 * len(SUBTASKS) and by[(1.0, 4)]["questions"] == len(SUBTASKS)
+    assert by[(0.0, 4)]["exact"] and not by[(1.0, 4)]["exact"]
+    before = {(c["temperature"], c["tree_nodes"]): c for c in first["conditions"]}
+    for key in [(0.0, 4)]:  # the exact τ is the figure it was, set by set
+        assert [r["tau_seeds"] for r in by[key]["sets"]] == [r["tau_seeds"] for r in before[key]["sets"]]
+    # Now that temperature 1 was decoded live, changing how it is decoded is an error naming the setting.
+    assert main([*live, "--questions-per-subtask", "2"]) == 2
+    assert "bench.questions_per_subtask: 1 in plan.json, 2 now" in capsys.readouterr().err

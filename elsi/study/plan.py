@@ -348,13 +348,24 @@ def make_plan(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, run_dir:
                      run_model=read_json(man).get("model") if man.is_file() else None, block=selector.run.block)
 
 
+def live_temperatures(settings: dict) -> list[float]:
+    """The temperatures a plan.json's ``settings`` decode live (``StudyConfig.live_temperatures``): all of
+    ``bench.temperature`` but 0 where the exact evaluator gives it (``exact``)."""
+    temps = settings.get("bench", {}).get("temperature", [])
+    return [t for t in temps if not (settings.get("exact") and t == 0)]
+
+
 def plan_differences(old: dict, new: dict) -> list[str]:
     """What a rerun changed that its finished drafts and benchmarks depend on (empty: it may continue); ``old``:
     plan.json as read (any layout), ``new``: this run's plan's JSON.
 
-    Sets and seeds (a set's too) may be added or dropped; a set that keeps its name must keep its layers.
+    Sets and seeds (a set's too) may be added or dropped; a set that keeps its name must keep its layers. A plan
+    that decoded nothing live (temperature 0 from the exact evaluator only) may take on live settings: its
+    drafts and exact τ do not depend on them, and the live benchmarks they add are made anew.
     """
     settings = compat.train_settings(compat.data_by_content(old.get("settings", {})))
+    if not live_temperatures(settings) and "bench" in settings and "bench" in new["settings"]:
+        settings = {**settings, "bench": new["settings"]["bench"]}
     diffs = settings_diff(settings, new["settings"], "plan.json")
     if old.get("model") != new["model"]:
         diffs.append(f"model: {old.get('model')!r} in plan.json, {new['model']!r} now")
@@ -407,5 +418,5 @@ def load_plan(study_dir: str | Path) -> StudyPlan:
 
 
 __all__ = ["DEFAULT_SETS", "PLAN", "LayerSet", "StudyConfig", "StudyPlan", "load_plan", "make_plan", "parse_set",
-           "plan_differences", "require_same_settings", "resolve_sets", "set_seeds", "set_slug",
+           "live_temperatures", "plan_differences", "require_same_settings", "resolve_sets", "set_seeds", "set_slug",
            "settings_differences", "write_plan"]
