@@ -16,6 +16,9 @@ from elsi.decode.replay import replay_answer
 from elsi.draft import random_draft
 
 TREES = [TreeConfig(6, 6, 1), TreeConfig(30, 6, 10), TreeConfig(60, 6, 10)]
+# Where the equality tests run: cpu here and in CI; ELSI_TEST_DEVICE=cuda on a GPU (bench/gpu_check.sh), where
+# the live engine and the replay both run on the GPU's kernels.
+DEVICE = os.environ.get("ELSI_TEST_DEVICE", "cpu")
 
 
 def live_and_replayed(target, draft, prompts: list[list[int]], trees, max_new: int):
@@ -29,7 +32,8 @@ def live_and_replayed(target, draft, prompts: list[list[int]], trees, max_new: i
         answer = generate(runner, ids, cfg, eos_ids=eos).tokens
         seq = ids + answer
         with torch.inference_mode():
-            hs = runner.decoder(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+            hs = runner.decoder(input_ids=torch.tensor([seq], device=target.device),
+                                output_hidden_states=True).hidden_states
         feats = torch.cat([hs[l][0] for l in draft.layer_ids], dim=-1)  # (L, m·d)
         reps = replay_answer(draft, feats, seq, len(ids), trees, max_new)
         for t, rep in zip(trees, reps):
@@ -56,8 +60,13 @@ def accepting_draft(target, layers, seed: int = 3):
 
 def test_replay_equals_live_on_a_tiny_target(tiny_target):
     """Random tiny Llama and a draft that accepts: every live step equals the replay's."""
+    if DEVICE != "cpu":  # the same tiny target (same seed), on the device; the session's fixture stays on the CPU
+        from conftest import make_tiny_target
+
+        tiny_target = make_tiny_target()
+        tiny_target.model.to(DEVICE)
     n = tiny_target.num_layers
-    draft = accepting_draft(tiny_target, [1, 4, n])
+    draft = accepting_draft(tiny_target, [1, 4, n]).to(DEVICE)
     gen = torch.Generator().manual_seed(0)
     vocab = int(tiny_target.model.config.vocab_size)
     prompts = [torch.randint(3, vocab, (k,), generator=gen).tolist() for k in (5, 17, 40)]
@@ -111,7 +120,7 @@ def smollm2_draft(tmp_path_factory):
     from elsi.draft import Eagle3Draft
     from elsi.models import load_target
 
-    target = load_target("smollm2-135m")
+    target = load_target("smollm2-135m", device=DEVICE)
     path = os.environ.get("ELSI_TEST_DRAFT")
     if not path:
         from elsi.cli import main
@@ -122,7 +131,7 @@ def smollm2_draft(tmp_path_factory):
                    "--features-dir", str(tmp_path_factory.mktemp("feats")), "--threads", "2"])
         assert rc == 0
     draft = Eagle3Draft.from_pretrained(path, target.adapter.embed_tokens(target.model), target.num_layers).eval()
-    return target, draft
+    return target, draft.to(DEVICE)
 
 
 def test_replayed_trees_equal_build_tree(tiny_target):
