@@ -22,9 +22,17 @@ ARGS=(--model "$MODEL" --data sharegpt --run runs/$MODEL --out "$OUT" --features
   --ttt "${TTT:-2}" --temperature 0 --tree-nodes 1 30 60 --exact-questions-per-subtask 80 --threads 2 "${@:3}")
 KEPT=bench/results/study3-$MODEL
 if [ ! -f "$OUT/plan.json" ] && [ -f "$KEPT/plan.json" ]; then
-  mkdir -p "$OUT" && cp -r "$KEPT"/. "$OUT"/ && rm -f "$OUT/PARTIAL.txt"
+  mkdir -p "$OUT" && cp -r "$KEPT"/. "$OUT"/ && rm -rf "$OUT/PARTIAL.txt" "$OUT/answers"
   echo "$OUT: went on from the records in $KEPT"
 fi
+# the target's answers the kept drafts were measured on (bench/study_results.sh): the same reference for every
+# draft, and not made again; a machine where they would be keyed otherwise (another model path) makes its own
+ANSWERS=${ELSI_CACHE:-$HOME/.cache/elsi}/spec_bench_answers
+for f in "$KEPT"/answers/*.json.gz; do
+  [ -f "$f" ] || continue
+  to=$ANSWERS/$(basename "$f" .gz)
+  [ -f "$to" ] || { mkdir -p "$ANSWERS" && gunzip -c "$f" > "$to.part" && mv "$to.part" "$to" && echo "$to: from $f"; }
+done
 .venv/bin/elsi study "${ARGS[@]}" --check
 [ -f runs/$MODEL/analysis.json ] || .venv/bin/elsi analyze --model "$MODEL" --out runs/$MODEL --threads 2
 .venv/bin/elsi study "${ARGS[@]}"

@@ -1,8 +1,8 @@
 # Copy a finished study's results (not its features or weights) into bench/results:
 #   bash bench/study_results.sh MODEL [STUDY_DIR [DEST]]   (STUDY_DIR default runs/study2-MODEL, as bench/study.sh;
 #   DEST default bench/results/study2-MODEL)
-# PARTIAL=1 copies an unfinished study's finished drafts (plan, benchmarks, training records) and lists what is
-# left in PARTIAL.txt; copied back into STUDY_DIR, they let `bash bench/study.sh MODEL` go on from there on
+# PARTIAL=1 copies an unfinished study's finished drafts (plan, benchmarks, training records, the target's answers
+# their exact τ was computed on) with their summary so far (so-far.md) and lists what is left in PARTIAL.txt; copied back into STUDY_DIR, they let `bash bench/study.sh MODEL` go on from there on
 # another machine (it rebuilds the feature cache, then trains and benchmarks only the missing drafts);
 # bench/study3.sh copies them back itself.
 set -e
@@ -12,9 +12,11 @@ DEST=${3:-bench/results/study2-$MODEL}
 if [ ! -f "$OUT/study.json" ] && [ "${PARTIAL:-0}" != 1 ]; then
   echo "$OUT has no study.json: run bash bench/study.sh $MODEL first (or PARTIAL=1 for its finished drafts)" >&2; exit 2
 fi
+# an unfinished study: its finished drafts' summary so far (so-far.json, so-far.md; elsi study --so-far)
+if [ ! -f "$OUT/study.json" ]; then .venv/bin/elsi study --out "$OUT" --so-far >/dev/null || true; fi
 rm -rf "$DEST" && mkdir -p "$DEST/drafts"
 cp "$OUT/plan.json" "$DEST/"
-for f in study.json study.md; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$DEST/"; done
+for f in study.json study.md so-far.json so-far.md; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$DEST/"; done
 cp -r "$OUT/bench" "$DEST/"
 [ -d "$OUT/vllm" ] && cp -r "$OUT/vllm" "$DEST/"
 [ -d "$OUT/exact" ] && cp -r "$OUT/exact" "$DEST/"
@@ -37,6 +39,25 @@ FEAT=$OUT/features
 [ -f "$FEAT/features.json" ] || FEAT=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["data"]["features_dir"])' \
   "$(ls "$OUT"/drafts/*/training.json | head -1)")
 cp "$FEAT/features.json" "$DEST/features.json"
+# the target's greedy answers the exact τ was computed on (gzipped, as the cache names them): a machine that goes on
+# from here measures its drafts on the same answers and skips making them (bench/study3.sh puts them back)
+if [ -d "$OUT/exact" ]; then
+  .venv/bin/python - "$OUT" "$DEST" <<'PY'
+import glob, gzip, json, os, shutil, sys
+from elsi.models.load import cache_dir
+from elsi.specbench.answers import answers_digest
+out, dest = sys.argv[1:]
+want = {json.load(open(f)).get("answers_digest") for f in glob.glob(f"{out}/exact/*.json")} - {None}
+for f in sorted(glob.glob(str(cache_dir() / "spec_bench_answers" / "*.json"))):
+    digest = answers_digest(json.load(open(f))["answers"])
+    if digest in want:
+        os.makedirs(f"{dest}/answers", exist_ok=True)
+        to = f"{dest}/answers/{os.path.basename(f)}.gz"
+        with open(f, "rb") as src, open(to, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as dst:
+            shutil.copyfileobj(src, dst)
+        print(f"the answers {digest}: {to}")
+PY
+fi
 if [ ! -f "$OUT/study.json" ]; then
   { echo "Unfinished study ($(date -u +%F)): finished drafts and benchmarks only; to go on, copy this folder"
     echo "to $OUT and run the study's command again (bench/study.sh, bench/study3.sh)"; cat "$DEST/.left"

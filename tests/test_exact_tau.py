@@ -184,6 +184,10 @@ def test_answers_cache_checks_settings_and_serves_subsets(tiny_target, tmp_path,
     small = answers.greedy_answers(tiny_target, ["qa", "rag"], 2, 4)
     assert made == [3] and small == [a for a in big if a["question_id"] in {r["question_id"] for r in small}]
     assert len(small) == 4
+    # the answers' fingerprint: the same answers in any order give one digest, one token more another
+    digest = answers.answers_digest(big)
+    assert answers.answers_digest(big[::-1]) == digest and len(digest) == 16
+    assert answers.answers_digest([{**big[0], "answer": big[0]["answer"] + [1]}, *big[1:]]) != digest
     other = tmp_path / "other.json"
     write_json(other, {"settings": {**answers.answers_settings(tiny_target, ["qa", "rag"], 3, 4), "max_new_tokens": 9},
                        "answers": big})
@@ -206,6 +210,7 @@ def test_answer_states_are_kept_once_per_model_and_read_bit_for_bit(tiny_target,
     """The target's states over an answer are computed once and kept: a second read (any layers) equals the
     forward bit for bit without running the target; the exact τ is the same from the cache; an entry left
     half-written or damaged is not read but computed again; keep=False writes nothing."""
+    from elsi.specbench.answers import answers_digest
     from elsi.specbench.exact import exact_tau
     from elsi.specbench.states import AnswerStates
 
@@ -239,6 +244,7 @@ def test_answer_states_are_kept_once_per_model_and_read_bit_for_bit(tiny_target,
     assert fresh["target_forwards"] == 2 and cached["target_forwards"] == 1  # the second answer was not kept yet
     assert [t["overall"] for t in cached["trees"]] == [t["overall"] for t in fresh["trees"]]
     assert cached["greedy_flips"] == fresh["greedy_flips"]
+    assert cached["answers_digest"] == answers_digest(answers)  # which answers the τ was computed on
 
     for meta in (tmp_path / "states").glob("*.json"):  # damaged: the states file cut short
         pt = meta.with_suffix(".safetensors")

@@ -745,6 +745,7 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     from elsi.decode import load_drafter
     from elsi.models import load_target
     from elsi.specbench import BenchConfig, run_bench
+    from elsi.specbench.answers import answers_digest, greedy_answers
 
     monkeypatch.setenv("ELSI_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "study"
@@ -766,6 +767,11 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
         else:  # temperature 1 decoded live (pooled with the exact τ: its timed answers only)
             assert all(r["tokens_per_s"] > 0 for r in cond["sets"]) and "–" not in {t for t, _ in speed}
     target = load_target(str(tiny_dir))
+    # every draft's exact τ was computed on the same answers (the cached ones), and the study says which
+    digest = answers_digest(greedy_answers(target, SUBTASKS, 2, 5))
+    assert [x["digest"] for x in study["exact_answers"]] == [digest]
+    assert sorted(study["exact_answers"][0]["drafts"]) == ["eagle3 s0", "eagle3 s1", "elsi:2 s0", "elsi:2 s1"]
+    assert "different sets of the target's greedy answers" not in (out / "study.md").read_text()
     for s in plan["sets"]:
         for seed in (0, 1):
             live = json.loads((out / "bench" / f"{s['slug']}-s{seed}.json").read_text())
@@ -795,6 +801,35 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     capsys.readouterr()
     assert main(argv) == 0 and calls == []
     assert "exact τ of eagle3 seed 0 at temperature 0 (done" in capsys.readouterr().err
+    # A draft whose exact τ was computed on other answers (another machine's) is named in study.md.
+    other = out / "exact" / "elsi-2-s1.json"
+    rec = json.loads(other.read_text())
+    other.write_text(json.dumps({**rec, "answers_digest": "0" * 16}))
+    assert main(argv) == 0 and calls == []
+    md = (out / "study.md").read_text()
+    assert "different sets of the target's greedy answers" in md and f"{'0' * 16}: elsi:2 s1" in md
+    other.write_text(json.dumps(rec))
+    # --so-far on a study stopped part way (elsi:2 s1 without its exact τ): the finished drafts' summary, each set
+    # over the seeds it has, in so-far.json/md; nothing loaded, trained or evaluated, study.json untouched.
+    other.rename(other.with_suffix(".away"))
+    monkeypatch.setattr(elsi.study.run, "load_drafter", lambda *a, **k: calls.append(a))
+    before = (out / "study.json").read_text()
+    assert main(["study", "--out", str(out), "--so-far", "--bootstrap", "50"]) == 0 and calls == []
+    assert (out / "study.json").read_text() == before
+    so = json.loads((out / "so-far.json").read_text())
+    assert so["so_far"] == {"finished": 3, "planned": 4, "left": ["elsi:2 s1"]}
+    for cond, full in zip(so["conditions"], study["conditions"]):
+        rows = {r["name"]: r for r in cond["sets"]}
+        ref = {r["name"]: r for r in full["sets"]}
+        assert rows["eagle3"]["tau_seeds"] == ref["eagle3"]["tau_seeds"]  # both seeds, as the full summary
+        assert rows["elsi:2"]["seeds"] == [0] and rows["elsi:2"]["tau_seeds"] == ref["elsi:2"]["tau_seeds"][:1]
+    assert so["conditions"][4]["gaps"][0]["paired_seeds"] == [0]
+    md = (out / "so-far.md").read_text()
+    assert md.startswith("# Layer-set study") and "**So far: 3 of the 4 planned drafts are finished**" in md
+    assert "Not finished yet: elsi:2 s1." in md
+    other.with_suffix(".away").rename(other)
+    assert main(["study", "--out", str(tmp_path / "nothing"), "--so-far"]) == 2
+    assert "no plan.json, so no study to summarize" in capsys.readouterr().err
     # On another machine, from the finished drafts' records alone (what bench/study_results.sh keeps: no weights,
     # no feature cache): nothing is trained, benchmarked or built, and the summary is the same.
     moved = tmp_path / "moved"

@@ -106,7 +106,31 @@ def check_study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, device
     return 0
 
 
+def _command() -> str:
+    """This run's command line, as study.json records it."""
+    return "elsi study " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else "elsi study"
+
+
+def so_far(cfg: StudyConfig) -> int:
+    """``elsi study --so-far``: the summary of the drafts finished so far (``elsi.study.sofar``)."""
+    from elsi.study.sofar import SO_FAR_JSON, SO_FAR_MD, summary_so_far
+
+    command = _command()
+    res = summary_so_far(cfg.out, cfg.bootstrap, command)
+    done = res["so_far"]
+    print(f"{cfg.out}: {done['finished']} of {done['planned']} drafts finished")
+    pooled = claims_condition(res)
+    print(f"{pooled['label']}:")
+    print(md_table(*condition_table(pooled, res["subtasks"])))
+    for line in res["verdict"]:
+        print(f"- {line}")
+    print(f"wrote {Path(cfg.out) / SO_FAR_JSON} and {Path(cfg.out) / SO_FAR_MD}")
+    return 0
+
+
 def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime) -> int:
+    if cfg.so_far:
+        return so_far(cfg)
     check_inputs(fcfg.model, fcfg.data)  # a bad --model or --data fails here, before anything loads
     device, dtype = rt.setup()
     feature_dtype = rt.resolve_dtype(device, bulk=True)  # bf16 for the feature pass where native (auto)
@@ -134,7 +158,7 @@ def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime)
         lambda: load_target(fcfg.model, device, feature_dtype, rt.trust_remote_code))
     dataset = load_dataset(fcfg.data)
     bars = _Bars(fcfg, cfg, tcfg)
-    command = "elsi study " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else "elsi study"
+    command = _command()
     try:
         hooks = Hooks(step=bars.step, features=bars.features, train=bars.train, bench=bars.bench, vllm=bars.vllm,
                       exact=bars.exact)
@@ -193,7 +217,9 @@ COMMANDS = [
                      "τ per subtask, against eagle3/eagle2, and its rank correlation with set entropy",
             (StudyConfig, FeatureConfig, TrainConfig, Runtime), study,
             skip={FeatureConfig: ("cache_layers",), TrainConfig: ("layers", "out", "time_budget", "restart")},
-            writes=lambda cfg, fcfg, tcfg, rt: [] if cfg.check else [(cfg.out, "the study directory")]),
+            writes=lambda cfg, fcfg, tcfg, rt: [] if cfg.check else
+            [(Path(cfg.out) / "so-far.json", "the study's summary so far")] if cfg.so_far else
+            [(cfg.out, "the study directory")]),
     Command("compare-studies", "studies of several models side by side: CKA compartments, the selected sets' gains, "
                                "τ against entropy per model, and a verdict on each of the paper's claims",
             (CompareArgs,), compare),

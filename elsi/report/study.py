@@ -125,6 +125,11 @@ def study_markdown(study: dict) -> str:
     if study.get("without_baseline"):
         parts += ["No plain decoding was timed where these drafts were benchmarked, so they have no speed-up (their "
                   "τ stands): " + "; ".join(study["without_baseline"]) + ".", ""]
+    if len(study.get("exact_answers") or []) > 1:
+        parts += ["**The exact τ was computed on different sets of the target's greedy answers** (made on machines "
+                  "whose float rounding flipped near ties differently; carry one set: docs/study.md): "
+                  + "; ".join(f"{x['digest']}: {', '.join(x['drafts'])}" for x in study["exact_answers"])
+                  + ". A gap between drafts of different answers also measures the answers.", ""]
     parts += [NOTE, ""]
     return "\n".join(parts)
 

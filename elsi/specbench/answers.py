@@ -46,6 +46,16 @@ def answers_path(settings: dict) -> Path:
     return cache_dir() / "spec_bench_answers" / f"{key}.json"
 
 
+def answers_digest(answers: Sequence[dict]) -> str:
+    """A fingerprint of a set of answers (each turn's question, turn and answer tokens; not their order): two exact
+    τ measure the same thing only where they were computed on answers of one digest. The target's greedy answers
+    can differ between machines where float rounding flips a near tie, which is why the digest is recorded."""
+    h = hashlib.sha256()
+    for a in sorted(answers, key=lambda r: (int(r["question_id"]), int(r.get("turn", 0)))):
+        h.update(json.dumps([int(a["question_id"]), int(a.get("turn", 0)), list(map(int, a["answer"]))]).encode())
+    return h.hexdigest()[:16]
+
+
 def check_answers(rec: dict, settings: dict, path: Path | str) -> list[dict]:
     """The answers of an answers file made with ``settings``, else a ValueError naming each difference."""
     have = rec.get("settings", {}) if isinstance(rec, dict) else {}

@@ -25,6 +25,7 @@ import torch
 from elsi.config import like, opt
 from elsi.decode.replay import check_tree, replay_answer
 from elsi.decode.tree import TreeConfig
+from elsi.specbench.answers import answers_digest
 from elsi.specbench.states import AnswerStates
 from elsi.text import num
 
@@ -66,7 +67,7 @@ def exact_tau(target, draft, answers: list[dict], trees: Sequence[TreeConfig], m
               on_progress: Callable[[int, int], None] | None = None, states: AnswerStates | None = None) -> dict:
     """τ at temperature 0 of ``draft`` on ``answers`` (``elsi.specbench.answers.greedy_answers``) for each
     tree shape -> {"trees": [per shape: {"tree", "overall", "subtasks", "questions"}], "greedy_flips",
-    "answer_tokens", "answer_turns", "target_forwards", "seconds"}.
+    "answer_tokens", "answer_turns", "answers_digest" (``answers_digest``), "target_forwards", "seconds"}.
 
     ``max_new_tokens``: the per-turn limit the answers were made with (it caps the last steps' trees).
     ``states``: where the target's states come from (default: ``AnswerStates(target)``, the disk cache,
@@ -115,7 +116,7 @@ def exact_tau(target, draft, answers: list[dict], trees: Sequence[TreeConfig], m
         out.append({"tree": {"tree_nodes": t.tree_nodes, "depth": t.depth, "top_k": t.top_k},
                     "overall": _pool(per_q), "subtasks": subs, "questions": per_q})
     return {"trees": out, "greedy_flips": flips, "answer_tokens": tokens, "answer_turns": len(answers),
-            "target_forwards": states.computed, "seconds": time.perf_counter() - t0}
+            "answers_digest": answers_digest(answers), "target_forwards": states.computed, "seconds": time.perf_counter() - t0}
 
 
 def _pool(rows: list[dict]) -> dict:

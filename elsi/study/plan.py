@@ -77,6 +77,9 @@ class StudyConfig:
     check: bool = opt(False, "only check that the study in --out can go on here, before the analysis it selects on "
                              "exists: its settings but the analysis's and its finished drafts' precision against "
                              "this machine's; exit 0, or an error naming what differs")
+    so_far: bool = opt(False, "only summarize the drafts of the study in --out finished so far (so-far.json, "
+                              "so-far.md beside its plan.json): nothing trained or loaded, safe beside the running "
+                              "study; the other options are not read but --bootstrap")
 
     def __post_init__(self) -> None:
         if not self.sets:
@@ -92,6 +95,8 @@ class StudyConfig:
             raise ValueError(f"--vllm-spec-tokens must be >= 1, got {self.vllm_spec_tokens}")
         if not 1 <= self.other_seeds <= len(self.seeds):
             raise ValueError(f"--other-seeds must be in 1..{len(self.seeds)} (the number of --seeds), got {self.other_seeds}")
+        if self.check and self.so_far:
+            raise ValueError("--check and --so-far: give one")
         if self.bootstrap < 0:
             raise ValueError(f"bootstrap must be >= 0, got {self.bootstrap}")
         if not 0 <= self.exact_questions_per_subtask <= 80:

@@ -322,7 +322,7 @@ def draft_steps(run: StudyRun, store: FeatureStore | None, s: LayerSet, seed: in
     if run.cfg.exact_settings():
         i += 1
         exact = exact_step(run, s, seed, lambda text: run.say(i, text))
-        rec = {**rec, "answers": rec["answers"] + exact_answers(exact)}
+        rec = with_exact(rec, exact)
     return rec, read_json(out / TRAINING)
 
 
@@ -398,6 +398,12 @@ def exact_step(run: StudyRun, s: LayerSet, seed: int, say: Callable[[str], None]
     return rec
 
 
+def with_exact(rec: dict, exact: dict) -> dict:
+    """A draft's results as the summary reads them (``rec``: its live benchmark, or ``{"answers": []}``) with its exact
+    τ's answers added and the answers that τ was computed on (``answers_digest``)."""
+    return {**rec, "answers": rec["answers"] + exact_answers(exact), "answers_digest": exact.get("answers_digest")}
+
+
 def exact_answers(rec: dict) -> list[dict]:
     """An exact record's questions as the summary reads a benchmark's answers (method "spec", temperature 0,
     ``exact`` true; no timing)."""
@@ -444,4 +450,4 @@ def write_summary(study_dir: str | Path, plan: StudyPlan, benches: dict, baselin
 
 __all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "StudyRun", "baseline_path",
            "baseline_paths", "bench_path", "check_precision", "clear_study", "draft_dir", "draft_complete",
-           "exact_path", "feature_config", "load_study", "prepare_study", "run_study", "write_summary"]
+           "exact_path", "feature_config", "load_study", "prepare_study", "run_study", "with_exact", "write_summary"]

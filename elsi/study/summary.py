@@ -339,6 +339,10 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
                            "drafts": [f"{name} s{sd}" for name, sd in drafts if where[(name, sd)] == key],
                            "plain_tokens_per_s": mean([_tps(a) for a in plain.values() if a["temperature"] == t]),
                            "hf_tokens_per_s": mean([_tps(a) for a in hf.values() if a["temperature"] == t])})
+    on_answers: dict[str, list[str]] = {}  # the exact τ's answers digest -> the drafts measured on those answers
+    for name, sd in drafts:
+        if benches[(name, sd)].get("answers_digest"):
+            on_answers.setdefault(benches[(name, sd)]["answers_digest"], []).append(f"{name} s{sd}")
     untimed = [f"{name} s{sd} ({machine_label(benches[(name, sd)].get('machine'))})" for name, sd in drafts
                if where[(name, sd)] not in timed]
     study = {
@@ -348,7 +352,8 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
         "bootstrap": {"resamples": bootstrap, "seed": seed, "unit": "Spec-Bench question",
                       "seeds": "paired seeds, drawn with replacement with the questions (Δ% intervals)"},
         "exact": exact,
-        "settings": plan.settings, "baseline": speeds, "without_baseline": untimed, "conditions": out,
+        "settings": plan.settings, "baseline": speeds, "without_baseline": untimed,
+        "exact_answers": [{"digest": d, "drafts": v} for d, v in on_answers.items()], "conditions": out,
         "vllm": vllm_rows(vllm or {}),
         "training": training_rows(sets, trained or {}),
     }
