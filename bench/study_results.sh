@@ -2,8 +2,9 @@
 #   bash bench/study_results.sh MODEL [STUDY_DIR [DEST]]   (STUDY_DIR default runs/study2-MODEL, as bench/study.sh;
 #   DEST default bench/results/study2-MODEL)
 # PARTIAL=1 copies an unfinished study's finished drafts (plan, benchmarks, training records, the target's answers
-# their exact τ was computed on) with their summary so far (so-far.md) and lists what is left in PARTIAL.txt; copied back into STUDY_DIR, they let `bash bench/study.sh MODEL` go on from there on
-# another machine (it rebuilds the feature cache, then trains and benchmarks only the missing drafts);
+# their exact τ was computed on) with their summary so far (so-far.md) and lists what is left in PARTIAL.txt;
+# copied back into STUDY_DIR, they let `bash bench/study.sh MODEL` go on from there on another machine
+# (it rebuilds the feature cache, then trains and benchmarks only the missing drafts);
 # bench/study3.sh copies them back itself.
 set -e
 MODEL=${1:?usage: bash bench/study_results.sh MODEL [STUDY_DIR [DEST]]}

@@ -60,9 +60,14 @@ def write_json(path: Path, obj: dict, rebuild: str | None = None) -> None:
     if rebuild is not None:
         obj = {**{k: v for k, v in obj.items() if k != INTEGRITY},
                INTEGRITY: {"sha256": json_digest(obj), "rebuild": rebuild}}
+    write_text(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` atomically (a temporary file of this process's own, then rename)."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
+        tmp.write_text(text)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

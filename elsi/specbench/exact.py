@@ -116,7 +116,8 @@ def exact_tau(target, draft, answers: list[dict], trees: Sequence[TreeConfig], m
         out.append({"tree": {"tree_nodes": t.tree_nodes, "depth": t.depth, "top_k": t.top_k},
                     "overall": _pool(per_q), "subtasks": subs, "questions": per_q})
     return {"trees": out, "greedy_flips": flips, "answer_tokens": tokens, "answer_turns": len(answers),
-            "answers_digest": answers_digest(answers), "target_forwards": states.computed, "seconds": time.perf_counter() - t0}
+            "answers_digest": answers_digest(answers), "target_forwards": states.computed,
+            "seconds": time.perf_counter() - t0}
 
 
 def _pool(rows: list[dict]) -> dict:

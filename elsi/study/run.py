@@ -41,7 +41,7 @@ from elsi.draft.features import Progress as FeatureProgress
 from elsi.draft.train import TrainConfig, matmul_dtype, train_draft
 from elsi.draft.train import Progress as TrainProgress
 from elsi.engines.vllm import VllmBenchConfig, progress_path, require_float32, run_vllm_bench
-from elsi.io import RunError, read_json, write_json
+from elsi.io import RunError, read_json, write_json, write_text
 from elsi.models.load import Target
 from elsi.report.study import STUDY_JSON, load_study, study_markdown
 from elsi.specbench.runner import Answer, machine_info, machine_label, run_bench, timing_key
@@ -441,10 +441,7 @@ def write_summary(study_dir: str | Path, plan: StudyPlan, benches: dict, baselin
     (each keyed (set name, seed)) and the baseline, or each machine's (``summarize_study``)."""
     study = {"command": command, **summarize_study(plan, benches, baseline, bootstrap, vllm=vllm, trained=trained)}
     write_json(Path(study_dir) / STUDY_JSON, study)
-    md = Path(study_dir) / STUDY_MD
-    tmp = md.with_name(md.name + ".tmp")
-    tmp.write_text(study_markdown(study))
-    tmp.replace(md)
+    write_text(Path(study_dir) / STUDY_MD, study_markdown(study))
     return study
 
 

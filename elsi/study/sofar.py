@@ -14,9 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from elsi.draft.checkpoint import TRAINING
-from elsi.io import RunError, read_json, write_json
+from elsi.io import RunError, read_json, write_json, write_text
 from elsi.report.study import study_markdown
-from elsi.study.plan import StudyPlan, live_temperatures, load_plan
+from elsi.study.plan import PLAN, StudyPlan, live_temperatures, load_plan
 from elsi.study.run import baseline_paths, bench_path, draft_complete, draft_dir, exact_path, with_exact
 from elsi.study.summary import summarize_study
 
@@ -62,8 +62,8 @@ def summary_so_far(study_dir: str | Path, bootstrap: int = 1000, command: str = 
     ``so_far`` = {"finished", "planned", "left" (the drafts not finished, as "<set> s<seed>")}. Raises
     ValueError when the study has no plan.json or no finished draft."""
     study_dir = Path(study_dir)
-    if not (study_dir / "plan.json").is_file():
-        raise ValueError(f"{study_dir}: no plan.json, so no study to summarize (run elsi study --out {study_dir})")
+    if not (study_dir / PLAN).is_file():
+        raise ValueError(f"{study_dir}: no {PLAN}, so no study to summarize (run elsi study --out {study_dir})")
     plan = load_plan(study_dir)
     benches, trained = finished_drafts(study_dir, plan)
     if not benches:
@@ -80,10 +80,7 @@ def summary_so_far(study_dir: str | Path, bootstrap: int = 1000, command: str = 
     head = (f"**So far: {len(benches)} of the {len(plan.drafts)} planned drafts are finished**; every figure below is "
             f"of those alone, each set over the seeds it has (Δ% intervals pair the seeds both sets have)."
             + (f" Not finished yet: {', '.join(left)}." if left else " The study's own summary is study.md."))
-    md = study_dir / SO_FAR_MD
-    tmp = md.with_name(md.name + ".tmp")
-    tmp.write_text(f"{title} (so far)\n\n{head}\n{rest}")
-    tmp.replace(md)
+    write_text(study_dir / SO_FAR_MD, f"{title} (so far)\n\n{head}\n{rest}")
     return study
 
 
