@@ -826,6 +826,7 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     assert so["conditions"][4]["gaps"][0]["paired_seeds"] == [0]
     md = (out / "so-far.md").read_text()
     assert md.startswith("# Layer-set study") and "**So far: 3 of the 4 planned drafts are finished**" in md
+    assert "over 1 paired seed and the questions" in md  # elsi:2 has seed 0 only
     assert "Not finished yet: elsi:2 s1." in md
     other.with_suffix(".away").rename(other)
     assert main(["study", "--out", str(tmp_path / "nothing"), "--so-far"]) == 2
@@ -861,6 +862,12 @@ def test_exact_only_study_takes_on_a_live_temperature_later(tiny_dir, tiny_run, 
     assert not (out / "bench").exists() or not list((out / "bench").glob("*.json"))
     first = json.loads((out / "study.json").read_text())
     assert {c["temperature"] for c in first["conditions"]} == {0.0, None}
+    # nothing decoded live: every condition, the pooled one too, is the exact τ's, and nothing was timed
+    assert all(c["exact"] and not c["mixed"] for c in first["conditions"])
+    assert first["baseline"] == [] and first["without_baseline"] == []
+    md = (out / "study.md").read_text()
+    assert f"## τ, all conditions pooled ({2 * len(SUBTASKS)} questions, exact τ: no decoding loop)" in md
+    assert "Baseline speed" not in md and "No temperature was decoded live, so nothing was timed" in md
     calls = []
     monkeypatch.setattr(elsi.specbench.exact, "exact_tau", lambda *a, **k: calls.append("exact") or {})
     monkeypatch.setattr(elsi.study.run, "train_draft", lambda *a, **k: calls.append("train") or {})
@@ -879,6 +886,11 @@ def test_exact_only_study_takes_on_a_live_temperature_later(tiny_dir, tiny_run, 
     by = {(c["temperature"], c["tree_nodes"]): c for c in study["conditions"]}
     assert by[(0.0, 4)]["questions"] == 2 * len(SUBTASKS) and by[(1.0, 4)]["questions"] == len(SUBTASKS)
     assert by[(0.0, 4)]["exact"] and not by[(1.0, 4)]["exact"]
+    assert by[(None, None)]["mixed"] and not by[(None, None)]["exact"]
+    md = (out / "study.md").read_text()
+    pooled = f"all conditions pooled ({2 * len(SUBTASKS)} questions, exact τ at T = 0, decoded at the other "
+    assert pooled + "temperatures)" in md
+    assert "## Baseline speed" in md and "No temperature was decoded live" not in md
     before = {(c["temperature"], c["tree_nodes"]): c for c in first["conditions"]}
     for key in [(0.0, 4)]:  # the exact τ is the figure it was, set by set
         assert [r["tau_seeds"] for r in by[key]["sets"]] == [r["tau_seeds"] for r in before[key]["sets"]]

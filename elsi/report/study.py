@@ -98,8 +98,9 @@ def study_markdown(study: dict) -> str:
                   "Held-out: the draft's top-1 agreement with the target's next token on conversations held out "
                   "from training (the split depends on the seed: drafts of one seed share it).", ""]
     for cond in study["conditions"]:
-        how = (f" ({cond['questions']} questions, {'exact τ: no decoding loop' if cond.get('exact') else 'decoded'})"
-               if "questions" in cond else "")
+        kind = ("exact τ: no decoding loop" if cond.get("exact") else
+                "exact τ at T = 0, decoded at the other temperatures" if cond.get("mixed") else "decoded")
+        how = f" ({cond['questions']} questions, {kind})" if "questions" in cond else ""
         parts += [f"## τ, {cond['label']}{how}", "", md_table(*condition_table(cond, study["subtasks"])), "",
                   spearman_line(cond), ""]
     if study.get("vllm"):
@@ -117,11 +118,16 @@ def study_markdown(study: dict) -> str:
     if study.get("command"):
         parts += [f"Made by `{study['command']}`.", ""]
     several = len({x.get("machine") for x in study["baseline"]}) > 1
-    parts += ["## Baseline speed", "",
-              md_table(["T", "plain tok/s", "HF generate tok/s"] + (["machine", "drafts benchmarked there"] if several
-                                                                     else []),
-                       [[f"{x['temperature']:g}", num(x["plain_tokens_per_s"], 1), num(x["hf_tokens_per_s"], 1)]
-                        + ([x["machine"], ", ".join(x["drafts"])] if several else []) for x in study["baseline"]]), ""]
+    if study["baseline"]:
+        parts += ["## Baseline speed", "",
+                  md_table(["T", "plain tok/s", "HF generate tok/s"]
+                           + (["machine", "drafts benchmarked there"] if several else []),
+                           [[f"{x['temperature']:g}", num(x["plain_tokens_per_s"], 1), num(x["hf_tokens_per_s"], 1)]
+                            + ([x["machine"], ", ".join(x["drafts"])] if several else []) for x in study["baseline"]]),
+                  ""]
+    elif study.get("exact"):
+        parts += ["No temperature was decoded live, so nothing was timed: the exact τ has no speed (τ does not "
+                  "depend on it; `elsi bench` times a draft).", ""]
     if study.get("without_baseline"):
         parts += ["No plain decoding was timed where these drafts were benchmarked, so they have no speed-up (their "
                   "τ stands): " + "; ".join(study["without_baseline"]) + ".", ""]

@@ -330,7 +330,9 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
                  for k in drafts}
         cond = summarize_condition(sets, seeds, stats, weights, t, n, masks)
         cond["questions"] = len(qids)
-        cond["exact"] = bool(exact) and t == 0.0
+        live = [x for x in bench["temperature"] if not (exact and x == 0.0)]  # temperatures decoded live
+        cond["exact"] = bool(exact) and (t == 0.0 or (t is None and not live))  # every τ of it from the evaluator
+        cond["mixed"] = bool(exact) and t is None and bool(live)  # exact τ at T = 0 with live decoding at the others
         out.append(cond)
     speeds = []
     for key, (machine, plain, hf) in timed.items():
@@ -344,7 +346,7 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
         if benches[(name, sd)].get("answers_digest"):
             on_answers.setdefault(benches[(name, sd)]["answers_digest"], []).append(f"{name} s{sd}")
     untimed = [f"{name} s{sd} ({machine_label(benches[(name, sd)].get('machine'))})" for name, sd in drafts
-               if where[(name, sd)] not in timed]
+               if where[(name, sd)] not in timed and any(_timed(a) for a in benches[(name, sd)]["answers"])]
     study = {
         "model": plan.model, "run": plan.settings["run"], "num_layers": plan.num_layers,
         "sets": sets, "seeds": plan.seeds, "subtasks": list(all_subtasks),
@@ -382,7 +384,8 @@ def gap_sentence(g: dict) -> str:
     if g.get("pct_ci_low") is not None:
         met = g["pct_half_width"] <= TARGET_HALF_WIDTH
         need = ("" if met or not g.get("seeds_needed") else f"; about {g['seeds_needed']} paired seeds would reach it")
-        txt += (f"; 95% interval of Δ% over {len(g['paired_seeds'])} paired seeds and the questions "
+        n = len(g["paired_seeds"])
+        txt += (f"; 95% interval of Δ% over {n} paired seed{'s' if n != 1 else ''} and the questions "
                 f"[{num(g['pct_ci_low'], 2, True)}, {num(g['pct_ci_high'], 2, True)}] (half-width "
                 f"{num(g['pct_half_width'], 2)} points, target ≤ {TARGET_HALF_WIDTH}{need})")
     return txt + "."
