@@ -674,6 +674,7 @@ def test_compare_studies_tests_the_compartment_explanation(tmp_path):
     assert held["gaps"] == {"elsi:3": pytest.approx(0.04), "elsi:1": pytest.approx(-0.06)}
     md = comparison_markdown(cmp)
     assert "| ELSI m=3 beats EAGLE-3 by +1.6 to +2.2 % τ" in md and "**supported**" in md
+    assert "CI: the question-bootstrap 95 % interval;" in md  # no exact τ: no interval over seeds
     path = models_tau_entropy([a, b], tmp_path / "models_tau_entropy.png")
     assert png_size(path) == pixel_size("models_tau_entropy")
 
@@ -735,6 +736,22 @@ def test_claim_rules_for_a_powered_study():
     mixed = {**good, "qa": sub(5, 2, 8)}  # qa second: not resolvable before, decided now
     assert judge_where(_powered(2, 1.4, 2.6, subtasks=mixed))[0] == CONTRADICTED
     assert judge_where(_powered(2, 0.4, 3.6, subtasks=mixed))[0] == UNRESOLVED  # too wide to decide
+    # comparison.md names the interval a powered gain has
+    from elsi.study.compare import comparison_markdown
+    from elsi.study.summary import condition_label
+
+    model = {"model": "m", "num_layers": 5, "verdicts": {k: {"verdict": UNRESOLVED, "numbers": ""}
+                                                          for k in ("m3_gain", "m1_parity", "where")},
+             "cka": {"compartments": [[1, 5]], "multi_layer_compartments": 1, "largest_share": 1.0,
+                     "mean_adjacent_cka": 0.9, "mean_cka": 0.9},
+             "gain_m3": _powered(0.4, -0.3, 1.1), "gain_m1": None, "spearman": {"rho": None, "ci_low": None,
+                                                                                "ci_high": None},
+             "heldout": {"gaps": {}, "spread": None, "rho": None}}
+    model["conditions"] = [{"label": condition_label(0.0, 1), "gain_m3": model["gain_m3"], "gain_m1": None,
+                            "spearman": model["spearman"]}]
+    md = comparison_markdown({"models": [model], "compartments": {"verdict": UNRESOLVED, "numbers": "one model"}})
+    assert "CI: the 95 % interval, over paired seeds and questions (hierarchical bootstrap) where τ is exact" in md
+    assert "| T = 0, 1 node " in md  # one drafted token: "1 node"
 
 
 def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tmp_path, monkeypatch, capsys):

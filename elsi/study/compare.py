@@ -319,7 +319,11 @@ def comparison_markdown(cmp: dict) -> str:
                   md_table(["condition", "elsi:3 Δ % (CI)", "elsi:1 Δ % (CI)", "Spearman ρ"],
                            [[c["label"], _gain_cell(c["gain_m3"]), _gain_cell(c["gain_m1"]),
                              num(c["spearman"]["rho"], 2)] for c in m["conditions"]]), ""]
-    parts += ["Δ % = 100 (τ / τ of eagle3 − 1); CI: the question-bootstrap 95 % interval; the seed spread is the "
+    powered = any((c.get(k) or {}).get("half_width") is not None for m in models for c in m["conditions"]
+                  for k in ("gain_m3", "gain_m1"))
+    ci = ("the 95 % interval, over paired seeds and questions (hierarchical bootstrap) where τ is exact, over "
+          "questions elsewhere" if powered else "the question-bootstrap 95 % interval")
+    parts += [f"Δ % = 100 (τ / τ of eagle3 − 1); CI: {ci}; the seed spread is the "
               "largest min-max range of τ over a set's seeds, in % of eagle3's τ. Held-out: the drafts' depth-1 "
               "top-1 match on held-out conversations (mean over seeds; spread: the largest min-max range over a "
               "set's seeds); ρ: Spearman's between set entropy and that match. Verdict rules: "

@@ -59,7 +59,7 @@ def condition_label(temperature: float | None, tree_nodes: int | None) -> str:
         return "all conditions pooled"
     if tree_nodes is None:
         return f"T = {temperature:g}, every tree size pooled"
-    return f"T = {temperature:g}, {tree_nodes} nodes"
+    return f"T = {temperature:g}, {tree_nodes} node{'s' if tree_nodes != 1 else ''}"
 
 
 def _in_condition(a: dict, temperature, tree_nodes) -> bool:
