@@ -314,6 +314,7 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
     if exact and len(bench["tree_nodes"]) > 1:
         conditions.append((0.0, None))  # the claims' condition: every tree size of the exact τ pooled
     conditions.append((None, None))
+    live = [x for x in bench["temperature"] if not (exact and x == 0.0)]  # the temperatures decoded live
     out = []
     drafts = [(s.name, sd) for s, sd in plan.drafts]
     where = {k: timing_key(benches[k].get("machine")) for k in drafts}
@@ -330,7 +331,6 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
                  for k in drafts}
         cond = summarize_condition(sets, seeds, stats, weights, t, n, masks)
         cond["questions"] = len(qids)
-        live = [x for x in bench["temperature"] if not (exact and x == 0.0)]  # temperatures decoded live
         cond["exact"] = bool(exact) and (t == 0.0 or (t is None and not live))  # every τ of it from the evaluator
         cond["mixed"] = bool(exact) and t is None and bool(live)  # exact τ at T = 0 with live decoding at the others
         out.append(cond)
