@@ -117,8 +117,8 @@ def study_markdown(study: dict) -> str:
                   "greedy answer token for token as elsi's (lossless: elsi's equals plain greedy decoding).", ""]
     if study.get("command"):
         parts += [f"Made by `{study['command']}`.", ""]
-    several = len({x.get("machine") for x in study["baseline"]}) > 1
     if study["baseline"]:
+        several = len({x.get("machine") for x in study["baseline"]}) > 1
         parts += ["## Baseline speed", "",
                   md_table(["T", "plain tok/s", "HF generate tok/s"]
                            + (["machine", "drafts benchmarked there"] if several else []),

@@ -29,7 +29,7 @@ import numpy as np
 
 from elsi.specbench.runner import machine_label, timing_key
 from elsi.stats.sampling import interval, mean, pooled_tau, resample_weights, spearman
-from elsi.study.plan import StudyPlan
+from elsi.study.plan import StudyPlan, live_temperatures
 from elsi.text import layer_list, num
 
 REFERENCES = ("eagle3", "eagle2")  # the defaults a study compares against
@@ -314,7 +314,7 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
     if exact and len(bench["tree_nodes"]) > 1:
         conditions.append((0.0, None))  # the claims' condition: every tree size of the exact τ pooled
     conditions.append((None, None))
-    live = [x for x in bench["temperature"] if not (exact and x == 0.0)]  # the temperatures decoded live
+    live = live_temperatures(plan.settings)
     out = []
     drafts = [(s.name, sd) for s, sd in plan.drafts]
     where = {k: timing_key(benches[k].get("machine")) for k in drafts}
