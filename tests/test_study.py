@@ -714,6 +714,24 @@ def test_delta_pct_interval_against_a_naive_hierarchical_bootstrap():
     assert delta_pct_interval(stats, {"eagle3": [0, 1], "elsi:3": [1, 2]}, "elsi:3", "eagle3", w)["paired_seeds"] == [1]
 
 
+def test_gap_sentence_gives_the_seeds_t_interval_and_warns_where_few_seeds_make_the_bootstrap_narrow():
+    """Two paired seeds: the hierarchical bootstrap can only redraw those two, so its interval misses most of the
+    seed-to-seed part; the sentence gives the paired t-interval beside it and says which to read."""
+    from elsi.study.summary import gap_sentence
+
+    g = {"set": "elsi-c:3", "layers": [5, 20, 27], "vs": "eagle2", "vs_layers": [30], "tau": 1.554, "tau_ref": 1.482,
+         "delta": 0.072, "delta_pct": 4.89, "seed_spread": 0.017, "beyond_seed_spread": True, "ci_low": 0.067,
+         "ci_high": 0.078, "pct_ci_low": 4.06, "pct_ci_high": 5.71, "pct_half_width": 0.82, "seeds_needed": 5,
+         "paired_seeds": [0, 1], "t_ci_low": -2.01, "t_ci_high": 11.79}
+    txt = gap_sentence(g)
+    assert "95% interval of Δ% over 2 paired seeds and the questions [+4.06, +5.71]" in txt
+    assert "paired t-interval over the 2 seeds alone [-2.01, +11.79]; with so few seeds" in txt
+    txt = gap_sentence({**g, "paired_seeds": list(range(8)), "t_ci_low": 4.2, "t_ci_high": 5.5})
+    assert "paired t-interval over the 8 seeds alone [+4.20, +5.50]." in txt and "so few" not in txt
+    txt = gap_sentence({**g, "paired_seeds": [0], "t_ci_low": None, "t_ci_high": None})
+    assert "t-interval" not in txt  # one seed: no t-interval to give
+
+
 def _powered(delta, lo, hi, seeds=8, needed=None, subtasks=None):
     return {**_gain(delta, lo, hi, None, subtasks), "half_width": (hi - lo) / 2, "paired_seeds": seeds,
             "seeds_needed": needed}

@@ -388,6 +388,12 @@ def gap_sentence(g: dict) -> str:
         txt += (f"; 95% interval of Δ% over {n} paired seed{'s' if n != 1 else ''} and the questions "
                 f"[{num(g['pct_ci_low'], 2, True)}, {num(g['pct_ci_high'], 2, True)}] (half-width "
                 f"{num(g['pct_half_width'], 2)} points, target ≤ {TARGET_HALF_WIDTH}{need})")
+    if g.get("t_ci_low") is not None:  # two seeds or more: the seeds' own Δ%, every question
+        n = len(g["paired_seeds"])
+        few = ("; with so few seeds the bootstrap cannot draw the seed-to-seed part, so read this one"
+               if n < 4 else "")
+        txt += (f"; paired t-interval over the {n} seeds alone [{num(g['t_ci_low'], 2, True)}, "
+                f"{num(g['t_ci_high'], 2, True)}]{few}")
     return txt + "."
 
 
