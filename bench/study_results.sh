@@ -17,7 +17,9 @@ fi
 if [ ! -f "$OUT/study.json" ]; then .venv/bin/elsi study --out "$OUT" --so-far >/dev/null || true; fi
 rm -rf "$DEST" && mkdir -p "$DEST/drafts"
 cp "$OUT/plan.json" "$DEST/"
-for f in study.json study.md so-far.json so-far.md; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$DEST/"; done
+# a finished study's summary, or an unfinished one's so far (never both: so-far.md of a finished study is stale)
+if [ -f "$OUT/study.json" ]; then KEEP="study.json study.md"; else KEEP="so-far.json so-far.md"; fi
+for f in $KEEP; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$DEST/"; done
 cp -r "$OUT/bench" "$DEST/"
 [ -d "$OUT/vllm" ] && cp -r "$OUT/vllm" "$DEST/"
 [ -d "$OUT/exact" ] && cp -r "$OUT/exact" "$DEST/"
