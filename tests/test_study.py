@@ -932,3 +932,37 @@ def test_exact_only_study_takes_on_a_live_temperature_later(tiny_dir, tiny_run, 
     # Now that temperature 1 was decoded live, changing how it is decoded is an error naming the setting.
     assert main([*live, "--questions-per-subtask", "2"]) == 2
     assert "bench.questions_per_subtask: 1 in plan.json, 2 now" in capsys.readouterr().err
+
+
+def test_study_results_keeps_the_summary_a_study_has_and_never_a_stale_so_far(tmp_path):
+    """bench/study_results.sh: a finished study keeps study.json/md and not the so-far.* an earlier session left;
+    an unfinished one keeps so-far.* and says what is left (PARTIAL.txt)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "study"
+    (out / "bench").mkdir(parents=True)
+    (out / "features").mkdir()
+    (out / "features" / "features.json").write_text("{}")
+    (out / "plan.json").write_text("{}")
+    for name, status in (("eagle3-s0", "complete"), ("elsi-3-s0", "training")):
+        (out / "drafts" / name).mkdir(parents=True)
+        (out / "drafts" / name / "training.json").write_text(json.dumps({"status": status}, indent=1))
+        (out / "drafts" / name / "config.json").write_text("{}")
+    for f in ("so-far.json", "so-far.md", "study.json", "study.md"):
+        (out / f).write_text(f)
+    dest = tmp_path / "kept"
+    subprocess.run(["bash", str(root / "bench" / "study_results.sh"), "m", str(out), str(dest)], cwd=root, check=True,
+                   capture_output=True)
+    assert sorted(p.name for p in dest.iterdir()) == ["bench", "drafts", "features.json", "plan.json", "study.json",
+                                                      "study.md"]
+    assert sorted(p.name for p in (dest / "drafts").iterdir()) == ["eagle3-s0"]
+    (out / "study.json").unlink()
+    env = {**os.environ, "PARTIAL": "1"}
+    subprocess.run(["bash", str(root / "bench" / "study_results.sh"), "m", str(out), str(dest)], cwd=root, check=True,
+                   capture_output=True, env=env)
+    kept = sorted(p.name for p in dest.iterdir())
+    assert "so-far.md" in kept and "study.md" not in kept and "PARTIAL.txt" in kept
+    assert "draft elsi-3-s0: not benchmarked yet" in (dest / "PARTIAL.txt").read_text()
