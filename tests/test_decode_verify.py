@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from elsi.decode.tree import make_tree
-from elsi.decode.verify import choose, greedy_walk, rejection_step, sampling_probs, sampling_walk
+from elsi.decode.verify import choose, draw, greedy_walk, rejection_step, sampling_probs, sampling_walk
 
 
 def test_sampling_probs_temperature_and_top_p_match_transformers():
@@ -31,6 +31,26 @@ def test_choose_greedy_and_sampled():
     assert choose(logits, 0.0, 1.0, None) == 1
     g = torch.Generator().manual_seed(0)
     assert choose(logits, 1.0, 1e-3, g) == 1  # nucleus of one token
+
+
+def test_draw_is_distributed_as_p_and_never_draws_a_token_without_mass(monkeypatch):
+    """The inverse-CDF draw against the probabilities themselves (chi-square), zeros included; a uniform that
+    rounds up to the total (u = 1) gives the last token with mass, not a zero one past it."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.tensor([0.0, 0.3, 0.0, 0.05, 0.25, 0.4, 0.0, 0.0])
+    n = 20000
+    counts = torch.zeros(len(p))
+    for _ in range(n):
+        counts[draw(p, g)] += 1
+    assert counts[p == 0].sum() == 0
+    keep = p > 0
+    assert chisquare(counts[keep].numpy(), (p[keep] * n).numpy()).pvalue > 1e-3
+    assert draw(torch.tensor([0.0, 0.0, 1.0]), g) == 2
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: real_rand(*a, **k) * 0 + 1.0)  # u = 1: the top end
+    assert draw(p, g) == 5
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: real_rand(*a, **k) * 0)  # u = 0: the first token with mass
+    assert draw(p, g) == 1
 
 
 def _tree():

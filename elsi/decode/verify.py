@@ -49,8 +49,22 @@ def choose(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     """The target's own next token from logits (V,): argmax at temperature 0, else a sample."""
     if temperature <= 0:
         return int(logits.argmax())
-    p = sampling_probs(logits, temperature, top_p)
-    return int(torch.multinomial(p, 1, generator=generator))
+    return draw(sampling_probs(logits, temperature, top_p), generator)
+
+
+def draw(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token drawn from the probabilities p (V,), by inverse CDF: the first token whose cumulative
+    mass exceeds u·total, u uniform on [0, 1); a token of zero probability is never drawn.
+
+    The same distribution as ``torch.multinomial(p, 1)``, one draw per step of sampled decoding, at a fraction of
+    its CPU cost: 11x less on SmolLM2's 49k vocabulary, 2.9x on Gemma-3's 262k (``bench/sample_draw.py``).
+    """
+    c = p.double().cumsum(0)  # (V,) float64: the total's rounding is far below any token's share
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device) * c[-1]
+    i = int(torch.searchsorted(c, u.reshape(1), right=True))
+    if i >= p.shape[0] or p[i] <= 0:  # u·total rounded up to the total: the last token with mass
+        i = int(torch.nonzero(p > 0).max())
+    return i
 
 
 def greedy_walk(tree: Tree, logits_of: LogitsFn) -> tuple[list[int], int]:
@@ -114,5 +128,5 @@ def sampling_walk(tree: Tree, logits_of: LogitsFn, temperature: float, top_p: fl
                 nxt = c
                 break
         if nxt is None:
-            return path, int(torch.multinomial(p, 1, generator=generator))
+            return path, draw(p, generator)
         path.append(nxt)
