@@ -25,18 +25,28 @@ cp -r "$OUT/bench" "$DEST/"
 [ -d "$OUT/exact" ] && cp -r "$OUT/exact" "$DEST/"
 [ -d "$OUT/report" ] && cp -r "$OUT/report" "$DEST/"
 : > "$DEST/.left"
-for d in "$OUT"/drafts/*/; do
-  name=$(basename "$d")
-  # finished: trained, with every result the study makes (a live benchmark where it times a baseline, exact τ
-  # where it has exact/)
-  live=1; ls "$OUT"/bench/baseline*.json >/dev/null 2>&1 || live=0
-  if grep -q '"status": "complete"' "$d/training.json" 2>/dev/null \
-     && { [ $live = 0 ] || [ -f "$OUT/bench/$name.json" ]; } && { [ ! -d "$OUT/exact" ] || [ -f "$OUT/exact/$name.json" ]; }; then
-    mkdir -p "$DEST/drafts/$name" && cp "$d/training.json" "$d/config.json" "$DEST/drafts/$name/"
-  else  # a draft record without its benchmark would need the weights, which are not copied
-    echo "draft $name: not benchmarked yet (redone from the start)" >> "$DEST/.left"
-  fi
-done
+# finished: trained, with every result the plan asks of it (a live benchmark where it decodes that seed live, the
+# exact τ where the plan has it: elsi.study.sofar.finished_drafts); a draft record without them would need the
+# weights, which are not copied
+.venv/bin/python - "$OUT" "$DEST" <<'PY'
+import shutil, sys
+from pathlib import Path
+from elsi.study.plan import load_plan
+from elsi.study.run import draft_dir
+from elsi.study.sofar import finished_drafts
+out, dest = sys.argv[1:]
+plan = load_plan(out)
+done = finished_drafts(out, plan)[0]
+for d in sorted(Path(out, "drafts").glob("*/")):
+    s_seed = next(((s, sd) for s, sd in plan.drafts if draft_dir(out, s, sd) == d), None)
+    if s_seed and (s_seed[0].name, s_seed[1]) in done:
+        (Path(dest) / "drafts" / d.name).mkdir(parents=True)
+        for f in ("training.json", "config.json"):
+            shutil.copy(d / f, Path(dest) / "drafts" / d.name / f)
+    else:
+        with open(Path(dest) / ".left", "a") as left:
+            left.write(f"draft {d.name}: not benchmarked yet (redone from the start)\n")
+PY
 # what the drafts trained on (not the features themselves): the study's cache, or the one --features-dir named
 FEAT=$OUT/features
 [ -f "$FEAT/features.json" ] || FEAT=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["data"]["features_dir"])' \

@@ -934,9 +934,67 @@ def test_exact_only_study_takes_on_a_live_temperature_later(tiny_dir, tiny_run, 
     assert "bench.questions_per_subtask: 1 in plan.json, 2 now" in capsys.readouterr().err
 
 
+def test_live_seeds_decode_only_each_sets_first_seeds(tiny_dir, tiny_run, tiny_data, tmp_path, monkeypatch, capsys):
+    """--live-seeds K: the exact τ covers every draft, temperature 1 is decoded live for each set's first K seeds
+    only, and the conditions with a live temperature (and every condition pooled) are over those seeds alone, their
+    τ the pooled count of those drafts' own answers. K may change between runs: more seeds add benchmarks."""
+    import elsi.specbench.exact
+    import elsi.study.run
+
+    monkeypatch.setenv("ELSI_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "study"
+    argv = _argv(tiny_dir, tiny_run, tiny_data, out, "--sets", "eagle3", "elsi:2", "--seeds", "0", "1",
+                 "--temperature", "0", "--exact-questions-per-subtask", "2", "--bootstrap", "20")
+    assert main(argv) == 0
+    calls = []
+    monkeypatch.setattr(elsi.specbench.exact, "exact_tau", lambda *a, **k: calls.append("exact") or {})
+    monkeypatch.setattr(elsi.study.run, "train_draft", lambda *a, **k: calls.append("train") or {})
+    live = [*argv, "--temperature", "0", "1", "--questions-per-subtask", "1", "--live-seeds", "1"]
+    capsys.readouterr()
+    assert main(live) == 0 and calls == []
+    err = capsys.readouterr().err
+    assert "benchmarking eagle3 [" in err and "seed 1: not decoded live (--live-seeds 1: seeds [0] of this set" in err
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["settings"]["bench"]["live_seeds"] == 1
+    assert sorted(p.name for p in (out / "bench").glob("*-s*.json")) == ["eagle3-s0.json", "elsi-2-s0.json"]
+    study = json.loads((out / "study.json").read_text())
+    by = {(c["temperature"], c["tree_nodes"]): c for c in study["conditions"]}
+    for key in [(0.0, 4)]:  # the exact τ: every seed
+        assert by[key]["seeds_decoded"] is None and all(r["seeds"] == [0, 1] for r in by[key]["sets"])
+    for key in [(1.0, 4), (None, None)]:  # decoded live: seed 0 of each set only
+        cond = by[key]
+        assert cond["seeds_decoded"] == {"eagle3": [0], "elsi:2": [0]}
+        assert all(r["seeds"] == [0] for r in cond["sets"]) and cond["gaps"][0]["paired_seeds"] == [0]
+    for s in plan["sets"]:
+        rec = json.loads((out / "bench" / f"{s['slug']}-s0.json").read_text())
+        exact = json.loads((out / "exact" / f"{s['slug']}-s0.json").read_text())
+        row = next(r for r in by[(1.0, 4)]["sets"] if r["name"] == s["name"])
+        assert row["tau_all"] == pytest.approx(_pooled_tau(rec["answers"], 1.0))  # seed 0's own answers alone
+        pooled = [a for a in rec["answers"] if a["method"] == "spec"] + [
+            {"method": "spec", "temperature": 0.0, **q} for t in exact["trees"] for q in t["questions"]]
+        row = next(r for r in by[(None, None)]["sets"] if r["name"] == s["name"])
+        assert row["tau_all"] == pytest.approx(_pooled_tau(pooled))
+    md = (out / "study.md").read_text()
+    assert "## τ, T = 1, 4 nodes (" + f"{len(SUBTASKS)} questions, decoded, over seeds [0] only)" in md
+    # --so-far: seed 1 needs no live benchmark to be finished
+    assert main(["study", "--out", str(out), "--so-far", "--bootstrap", "20"]) == 0
+    assert json.loads((out / "so-far.json").read_text())["so_far"]["finished"] == 4
+    # two seeds decoded live now: seed 1's benchmarks are made, seed 0's reused, and every condition has both seeds
+    capsys.readouterr()
+    assert main([*live, "--live-seeds", "2"]) == 0 and calls == []
+    err = capsys.readouterr().err
+    assert re.search(r"benchmarking eagle3 \[[0-9, ]+\] seed 0 \(done:", err) and "not decoded live" not in err
+    assert len(list((out / "bench").glob("*-s1.json"))) == 2
+    study = json.loads((out / "study.json").read_text())
+    assert all(c["seeds_decoded"] is None for c in study["conditions"])
+    assert main([*live, "--live-seeds", "-1"]) == 2
+    assert "--live-seeds must be >= 0 (0 = every seed), got -1" in capsys.readouterr().err
+
+
 def test_study_results_keeps_the_summary_a_study_has_and_never_a_stale_so_far(tmp_path):
     """bench/study_results.sh: a finished study keeps study.json/md and not the so-far.* an earlier session left;
-    an unfinished one keeps so-far.* and says what is left (PARTIAL.txt)."""
+    an unfinished one keeps so-far.* and says what is left (PARTIAL.txt); a draft is kept when it has every result
+    its plan asks of it (a live benchmark only for the seeds decoded live)."""
     import os
     import subprocess
     from pathlib import Path
@@ -946,8 +1004,15 @@ def test_study_results_keeps_the_summary_a_study_has_and_never_a_stale_so_far(tm
     (out / "bench").mkdir(parents=True)
     (out / "features").mkdir()
     (out / "features" / "features.json").write_text("{}")
-    (out / "plan.json").write_text("{}")
-    for name, status in (("eagle3-s0", "complete"), ("elsi-3-s0", "training")):
+    sets = [{"name": name, "method": name.split(":")[0], "m": 3, "layers": [1, 2, 3], "entropy": 1.0,
+             "entropy_normalized": 0.5, "seeds": [0, 1]} for name in ("eagle3", "elsi:3")]
+    # temperature 1 decoded live for each set's seed 0 only (--live-seeds 1): seed 1 needs no live benchmark
+    (out / "plan.json").write_text(json.dumps({"model": "m", "num_layers": 6, "sets": sets, "seeds": [0, 1],
+                                               "settings": {"bench": {"temperature": [0.0, 1.0], "live_seeds": 1}}}))
+    (out / "bench" / "baseline.json").write_text("{}")
+    (out / "bench" / "eagle3-s0.json").write_text("{}")
+    for name, status in (("eagle3-s0", "complete"), ("eagle3-s1", "complete"), ("elsi-3-s0", "complete"),
+                         ("elsi-3-s1", "training")):
         (out / "drafts" / name).mkdir(parents=True)
         (out / "drafts" / name / "training.json").write_text(json.dumps({"status": status}, indent=1))
         (out / "drafts" / name / "config.json").write_text("{}")
@@ -958,11 +1023,13 @@ def test_study_results_keeps_the_summary_a_study_has_and_never_a_stale_so_far(tm
                    capture_output=True)
     assert sorted(p.name for p in dest.iterdir()) == ["bench", "drafts", "features.json", "plan.json", "study.json",
                                                       "study.md"]
-    assert sorted(p.name for p in (dest / "drafts").iterdir()) == ["eagle3-s0"]
+    assert sorted(p.name for p in (dest / "drafts").iterdir()) == ["eagle3-s0", "eagle3-s1"]
     (out / "study.json").unlink()
     env = {**os.environ, "PARTIAL": "1"}
     subprocess.run(["bash", str(root / "bench" / "study_results.sh"), "m", str(out), str(dest)], cwd=root, check=True,
                    capture_output=True, env=env)
     kept = sorted(p.name for p in dest.iterdir())
     assert "so-far.md" in kept and "study.md" not in kept and "PARTIAL.txt" in kept
-    assert "draft elsi-3-s0: not benchmarked yet" in (dest / "PARTIAL.txt").read_text()
+    left = (dest / "PARTIAL.txt").read_text()
+    assert "draft elsi-3-s0: not benchmarked yet" in left and "draft elsi-3-s1: not benchmarked yet" in left
+    assert "draft eagle3" not in left

@@ -100,6 +100,9 @@ def study_markdown(study: dict) -> str:
     for cond in study["conditions"]:
         kind = ("exact τ: no decoding loop" if cond.get("exact") else
                 "exact τ at T = 0, decoded at the other temperatures" if cond.get("mixed") else "decoded")
+        if cond.get("seeds_decoded"):  # --live-seeds: the condition is over the seeds decoded live only
+            kind += ", over " + seeds_phrase({"seeds": [], "sets": [{"name": k, "seeds": v} for k, v in
+                                                                    cond["seeds_decoded"].items()]}) + " only"
         how = f" ({cond['questions']} questions, {kind})" if "questions" in cond else ""
         parts += [f"## τ, {cond['label']}{how}", "", md_table(*condition_table(cond, study["subtasks"])), "",
                   spearman_line(cond), ""]

@@ -61,6 +61,14 @@ def with_exact(settings: dict, exact: dict | None) -> dict:
     return settings if exact is None else {**settings, "exact": exact}
 
 
+def with_live_seeds(bench: dict, live_seeds: int) -> dict:
+    """plan.json's ``settings.bench`` with ``live_seeds`` only where it limits the seeds decoded live (> 0).
+
+    Keeps plan.json from before ``--live-seeds`` (no ``live_seeds``: every seed decoded live) matching a run that
+    decodes every seed."""
+    return {**bench, "live_seeds": live_seeds} if live_seeds else bench
+
+
 def matmul_dtype(training: dict) -> str:
     """The dtype of a finished draft's training matmuls, from its training.json.
 
@@ -90,4 +98,4 @@ def features_dtype(study_dir: Path, training: dict) -> str | None:
 
 
 __all__ = ["data_by_content", "features_dtype", "matmul_dtype", "set_seeds", "train_settings", "vllm_entry",
-           "with_exact"]
+           "with_exact", "with_live_seeds"]

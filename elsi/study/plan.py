@@ -63,6 +63,10 @@ class StudyConfig:
     top_k: int = like(BenchConfig, "top_k")
     warmup: int = like(BenchConfig, "warmup")
     bench_seed: int = like(BenchConfig, "seed", help_suffix=" (the same for every draft: paired comparisons)")
+    live_seeds: int = opt(0, "decode the live temperatures (--temperature, but 0 where the exact evaluator gives it) "
+                             "for each set's first this many seeds only (0 = every seed): the exact τ covers every "
+                             "draft, live decoding (minutes per question) the paired seeds that fit the time; the "
+                             "conditions with a live temperature are then over those seeds alone")
     bootstrap: int = opt(1000, "bootstrap resamples of the Spec-Bench questions for the intervals (0 = none)")
     exact_questions_per_subtask: int = opt(80, "temperature 0: τ from the exact evaluator (the target's cached "
                                                "greedy answers, no decoding loop: elsi.specbench.exact) on this "
@@ -97,6 +101,8 @@ class StudyConfig:
             raise ValueError(f"--other-seeds must be in 1..{len(self.seeds)} (the number of --seeds), got {self.other_seeds}")
         if self.check and self.so_far:
             raise ValueError("--check and --so-far: give one")
+        if self.live_seeds < 0:
+            raise ValueError(f"--live-seeds must be >= 0 (0 = every seed), got {self.live_seeds}")
         if self.bootstrap < 0:
             raise ValueError(f"bootstrap must be >= 0, got {self.bootstrap}")
         if not 0 <= self.exact_questions_per_subtask <= 80:
@@ -112,6 +118,11 @@ class StudyConfig:
     def live_temperatures(self) -> list[float]:
         """The temperatures decoded live: all but 0 when the exact evaluator gives temperature 0."""
         return [t for t in self.temperature if not (self.exact_questions_per_subtask and t == 0)]
+
+    def bench_settings(self, bench: dict) -> dict:
+        """plan.json's ``bench`` (``bench``: the benchmark's own settings) with ``live_seeds`` where it limits the
+        seeds decoded live (``compat.with_live_seeds``)."""
+        return compat.with_live_seeds(bench, self.live_seeds)
 
     def exact_settings(self) -> dict | None:
         """plan.json's ``exact``: what the exact τ of a draft depends on (None: no exact step)."""
@@ -199,6 +210,15 @@ class StudyPlan:
     def served(self) -> list[LayerSet]:
         """The sets vLLM serves, in the sets' order."""
         return [s for s in self.sets if s.name in self.vllm_sets]
+
+    @property
+    def live_seeds(self) -> dict[str, list[int]]:
+        """Each set's seeds decoded live, by name: its first ``--live-seeds`` (all where that is 0), none where the
+        plan decodes no temperature live."""
+        if not live_temperatures(self.settings):
+            return {name: [] for name in self.draft_seeds}
+        k = self.settings.get("bench", {}).get("live_seeds") or None
+        return {name: list(seeds[:k]) for name, seeds in self.draft_seeds.items()}
 
     @property
     def exact(self) -> dict | None:
@@ -334,7 +354,7 @@ def plan_settings(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, sele
     bench = result_settings(cfg.bench_config(fcfg.model, baseline=True),
                             drop=("model", "draft", "out", "hf_generate", "plain", "exact"))
     out = compat.with_exact({"features": features, "train": {**train, "time_budget": cfg.train_budget},
-                             "bench": bench}, cfg.exact_settings())
+                             "bench": cfg.bench_settings(bench)}, cfg.exact_settings())
     if selector is None:
         return out
     return {"run": str(selector.cfg.run), **out, "select": selector.settings()}
@@ -364,14 +384,15 @@ def plan_differences(old: dict, new: dict) -> list[str]:
     """What a rerun changed that its finished drafts and benchmarks depend on (empty: it may continue); ``old``:
     plan.json as read (any layout), ``new``: this run's plan's JSON.
 
-    Sets and seeds (a set's too) may be added or dropped; a set that keeps its name must keep its layers. A plan
-    that decoded nothing live (temperature 0 from the exact evaluator only) may take on live settings: its
-    drafts and exact τ do not depend on them, and the live benchmarks they add are made anew.
+    Sets and seeds (a set's too) may be added or dropped, and so may seeds decoded live (``--live-seeds``); a set
+    that keeps its name must keep its layers. A plan that decoded nothing live (temperature 0 from the exact
+    evaluator only) may take on live settings: its drafts and exact τ do not depend on them, and the live
+    benchmarks they add are made anew.
     """
     settings = compat.train_settings(compat.data_by_content(old.get("settings", {})))
     if not live_temperatures(settings) and "bench" in settings and "bench" in new["settings"]:
         settings = {**settings, "bench": new["settings"]["bench"]}
-    diffs = settings_diff(settings, new["settings"], "plan.json")
+    diffs = settings_diff(_any_live_seeds(settings), _any_live_seeds(new["settings"]), "plan.json")
     if old.get("model") != new["model"]:
         diffs.append(f"model: {old.get('model')!r} in plan.json, {new['model']!r} now")
     before = {s["name"]: s["layers"] for s in old.get("sets", [])}
@@ -380,6 +401,14 @@ def plan_differences(old: dict, new: dict) -> list[str]:
             diffs.append(f"set {s['name']}: layers {before[s['name']]} in plan.json, {s['layers']} now "
                          "(the analysis changed)")
     return diffs
+
+
+def _any_live_seeds(settings: dict) -> dict:
+    """``settings`` without ``bench.live_seeds``: how many seeds are decoded live may change between runs (a draft's
+    live benchmark does not depend on it; more seeds add benchmarks, fewer leave some unread)."""
+    if "live_seeds" not in settings.get("bench", {}):
+        return settings
+    return {**settings, "bench": {k: v for k, v in settings["bench"].items() if k != "live_seeds"}}
 
 
 def _require_same(path: Path, diffs: list[str]) -> None:

@@ -7,7 +7,7 @@ Step by step (STUDY_DIR layout in docs/INTERFACES.md):
    every draft's speed-up is against plain decoding timed where the draft was).
 3. Per set and each of its seeds (plan.json): train the draft (``drafts/<set>-s<seed>/``), then
    benchmark it with speculative decoding only (``bench/<set>-s<seed>.json``) at the temperatures
-   decoded live, and (``--exact-questions-per-subtask``) its exact τ at temperature 0 on the target's
+   decoded live (``--live-seeds``: for each set's first seeds only), and (``--exact-questions-per-subtask``) its exact τ at temperature 0 on the target's
    cached greedy answers for every tree size (``exact/<set>-s<seed>.json``; ``elsi.specbench.exact``).
 4. ``--vllm-sets``: vLLM serves those sets' drafts (every seed) as chains of ``--vllm-spec-tokens``
    at temperature 0, next to elsi's chain on the same questions (``vllm/<set>-s<seed>.json``; a file
@@ -318,7 +318,11 @@ def draft_steps(run: StudyRun, store: FeatureStore | None, s: LayerSet, seed: in
     i, rec = first, {"answers": []}
     if run.cfg.live_temperatures:
         i += 1
-        rec = bench_step(run, s, seed, lambda text: run.say(i, text))
+        if seed in run.plan.live_seeds[s.name]:
+            rec = bench_step(run, s, seed, lambda text: run.say(i, text))
+        else:
+            run.say(i, f"benchmarking {s.name} {list(s.layers)} seed {seed}: not decoded live (--live-seeds "
+                       f"{run.cfg.live_seeds}: seeds {run.plan.live_seeds[s.name]} of this set are)")
     if run.cfg.exact_settings():
         i += 1
         exact = exact_step(run, s, seed, lambda text: run.say(i, text))

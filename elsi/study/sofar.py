@@ -16,7 +16,7 @@ from pathlib import Path
 from elsi.draft.checkpoint import TRAINING
 from elsi.io import RunError, read_json, write_json, write_text
 from elsi.report.study import study_markdown
-from elsi.study.plan import PLAN, StudyPlan, live_temperatures, load_plan
+from elsi.study.plan import PLAN, StudyPlan, load_plan
 from elsi.study.run import baseline_paths, bench_path, draft_complete, draft_dir, exact_path, with_exact
 from elsi.study.summary import summarize_study
 
@@ -34,17 +34,17 @@ def _record(path: Path) -> dict | None:
 
 def finished_drafts(study_dir: str | Path, plan: StudyPlan) -> tuple[dict, dict]:
     """The drafts of ``plan`` finished in ``study_dir``: trained, with every result the plan asks of them (a live
-    benchmark where it decodes a temperature live, the exact τ of the plan's settings where it has one) ->
-    (their results as the summary reads them, their training.json), each keyed (set name, seed), in plan order."""
+    benchmark where it decodes a temperature live for that seed, the exact τ of the plan's settings where it has
+    one) -> (their results as the summary reads them, their training.json), each keyed (set name, seed), in plan order."""
     benches: dict[tuple[str, int], dict] = {}
     trained: dict[tuple[str, int], dict] = {}
-    live = live_temperatures(plan.settings)
+    live = plan.live_seeds
     for s, seed in plan.drafts:
         out = draft_dir(study_dir, s, seed)
         if not draft_complete(out):
             continue
         rec = {"answers": []}
-        if live:
+        if seed in live[s.name]:
             rec = _record(bench_path(study_dir, s, seed))
             if rec is None:
                 continue

@@ -289,6 +289,17 @@ def training_rows(sets: list[dict], trained: dict[tuple[str, int], dict]) -> lis
     return rows
 
 
+def condition_seeds(seeds: dict[str, list[int]], benches: dict[tuple[str, int], dict], temperatures: list[float],
+                    tree_nodes: int | None) -> dict[str, list[int]]:
+    """Each set's seeds whose drafts have answers at every one of ``temperatures`` (and ``tree_nodes``, None: any
+    size), by name: the seeds a condition is over. Every seed where every draft was decoded at every temperature;
+    with ``--live-seeds`` the live temperatures (and every condition pooled) have only the seeds decoded live, so
+    that no set's τ there mixes drafts measured on different answers."""
+    def has(k, t):
+        return any(_in_condition(a, t, tree_nodes) for a in benches[k]["answers"])
+    return {name: [sd for sd in v if all(has((name, sd), t) for t in temperatures)] for name, v in seeds.items()}
+
+
 def _by_question(baseline: dict, method: str) -> dict:
     return {(a["question_id"], a["temperature"]): a for a in baseline["answers"] if a["method"] == method}
 
@@ -329,8 +340,10 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
         masks = {sub: np.array([subtask_of[q] == sub for q in qids]) for sub in dict.fromkeys(subtask_of.values())}
         stats = {k: draft_stats(benches[k]["answers"], qids, subtask_of, t, n, *timed.get(where[k], (None, {}, {}))[1:])
                  for k in drafts}
-        cond = summarize_condition(sets, seeds, stats, weights, t, n, masks)
+        held = condition_seeds(seeds, benches, [t] if t is not None else bench["temperature"], n)
+        cond = summarize_condition([s for s in sets if held[s["name"]]], held, stats, weights, t, n, masks)
         cond["questions"] = len(qids)
+        cond["seeds_decoded"] = None if held == seeds else {k: v for k, v in held.items() if v}
         cond["exact"] = bool(exact) and (t == 0.0 or (t is None and not live))  # every τ of it from the evaluator
         cond["mixed"] = bool(exact) and t is None and bool(live)  # exact τ at T = 0 with live decoding at the others
         out.append(cond)
@@ -430,5 +443,5 @@ def verdict(study: dict) -> list[str]:
     return out
 
 
-__all__ = ["claims_condition", "delta_pct_interval", "draft_stats", "gap_sentence", "summarize_condition",
+__all__ = ["claims_condition", "condition_seeds", "delta_pct_interval", "draft_stats", "gap_sentence", "summarize_condition",
            "summarize_study", "verdict", "vllm_rows"]
