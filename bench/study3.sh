@@ -10,7 +10,7 @@
 #   read by the others ($ELSI_CACHE/spec_bench_states).
 #   Temperature 1 (issue 30: live decoding, on a larger subset than the 12 questions of the studies before) comes
 #   after the T = 0 drafts, as the same study with live decoding added for each set's two paired seeds:
-#     bash bench/study3.sh MODEL STUDY_DIR --temperature 0 1 --questions-per-subtask 3 --live-seeds 2
+#     bash bench/study3.sh MODEL STUDY_DIR --temperature 0 1 --questions-per-subtask 3 --live-seeds 0 1
 #   (18 questions, 3 per subtask, at ≤ 128 tokens on 16 drafts; ~20 minutes per Gemma-3 draft:
 #   bench/results/t1_cost_gemma3-270m.json). It trains and evaluates nothing again, but needs the drafts' weights.
 #   Resumable across interruptions and machines of the same precision: rerun the same command. Finished drafts

@@ -934,10 +934,11 @@ def test_exact_only_study_takes_on_a_live_temperature_later(tiny_dir, tiny_run, 
     assert "bench.questions_per_subtask: 1 in plan.json, 2 now" in capsys.readouterr().err
 
 
-def test_live_seeds_decode_only_each_sets_first_seeds(tiny_dir, tiny_run, tiny_data, tmp_path, monkeypatch, capsys):
-    """--live-seeds K: the exact τ covers every draft, temperature 1 is decoded live for each set's first K seeds
-    only, and the conditions with a live temperature (and every condition pooled) are over those seeds alone, their
-    τ the pooled count of those drafts' own answers. K may change between runs: more seeds add benchmarks."""
+def test_live_seeds_decode_only_those_seeds(tiny_dir, tiny_run, tiny_data, tmp_path, monkeypatch, capsys):
+    """--live-seeds S: the exact τ covers every draft, temperature 1 is decoded live for those seeds only, and the
+    conditions with a live temperature (and every condition pooled) are over those seeds alone, their τ the pooled
+    count of those drafts' own answers. The seeds may change between runs: more seeds add benchmarks; a seed whose
+    drafts have no weights here (records from another machine) is refused before any work, naming them."""
     import elsi.specbench.exact
     import elsi.study.run
 
@@ -949,13 +950,13 @@ def test_live_seeds_decode_only_each_sets_first_seeds(tiny_dir, tiny_run, tiny_d
     calls = []
     monkeypatch.setattr(elsi.specbench.exact, "exact_tau", lambda *a, **k: calls.append("exact") or {})
     monkeypatch.setattr(elsi.study.run, "train_draft", lambda *a, **k: calls.append("train") or {})
-    live = [*argv, "--temperature", "0", "1", "--questions-per-subtask", "1", "--live-seeds", "1"]
+    live = [*argv, "--temperature", "0", "1", "--questions-per-subtask", "1", "--live-seeds", "0"]
     capsys.readouterr()
     assert main(live) == 0 and calls == []
     err = capsys.readouterr().err
-    assert "benchmarking eagle3 [" in err and "seed 1: not decoded live (--live-seeds 1: seeds [0] of this set" in err
+    assert "benchmarking eagle3 [" in err and "seed 1: not decoded live (--live-seeds 0)" in err
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["settings"]["bench"]["live_seeds"] == 1
+    assert plan["settings"]["bench"]["live_seeds"] == [0]
     assert sorted(p.name for p in (out / "bench").glob("*-s*.json")) == ["eagle3-s0.json", "elsi-2-s0.json"]
     study = json.loads((out / "study.json").read_text())
     by = {(c["temperature"], c["tree_nodes"]): c for c in study["conditions"]}
@@ -979,16 +980,27 @@ def test_live_seeds_decode_only_each_sets_first_seeds(tiny_dir, tiny_run, tiny_d
     # --so-far: seed 1 needs no live benchmark to be finished
     assert main(["study", "--out", str(out), "--so-far", "--bootstrap", "20"]) == 0
     assert json.loads((out / "so-far.json").read_text())["so_far"]["finished"] == 4
-    # two seeds decoded live now: seed 1's benchmarks are made, seed 0's reused, and every condition has both seeds
+    # seed 1 decoded live too, where one of its drafts has no weights (its records came from another machine):
+    # refused by --check and by the study before any work, naming the draft and the seeds that can be decoded
+    weights = out / "drafts" / "elsi-2-s1" / "model.safetensors"
+    weights.rename(weights.with_suffix(".away"))
+    for extra in (["--check"], []):
+        assert main([*live, "--live-seeds", "0", "1", *extra]) == 2 and calls == []
+        err = capsys.readouterr().err
+        assert "1 draft(s) to decode live have no weights" in err and "elsi-2-s1. Decode live only" in err
+        assert "(--live-seeds 0)" in err
+    assert not list((out / "bench").glob("*-s1.json"))
+    weights.with_suffix(".away").rename(weights)
+    # both seeds decoded live now: seed 1's benchmarks are made, seed 0's reused, and every condition has both seeds
     capsys.readouterr()
-    assert main([*live, "--live-seeds", "2"]) == 0 and calls == []
+    assert main([*live, "--live-seeds", "0", "1"]) == 0 and calls == []
     err = capsys.readouterr().err
     assert re.search(r"benchmarking eagle3 \[[0-9, ]+\] seed 0 \(done:", err) and "not decoded live" not in err
     assert len(list((out / "bench").glob("*-s1.json"))) == 2
     study = json.loads((out / "study.json").read_text())
     assert all(c["seeds_decoded"] is None for c in study["conditions"])
-    assert main([*live, "--live-seeds", "-1"]) == 2
-    assert "--live-seeds must be >= 0 (0 = every seed), got -1" in capsys.readouterr().err
+    assert main([*live, "--live-seeds", "3"]) == 2
+    assert "--live-seeds [3]: not among --seeds [0, 1]" in capsys.readouterr().err
 
 
 def test_study_results_keeps_the_summary_a_study_has_and_never_a_stale_so_far(tmp_path):
@@ -1006,9 +1018,9 @@ def test_study_results_keeps_the_summary_a_study_has_and_never_a_stale_so_far(tm
     (out / "features" / "features.json").write_text("{}")
     sets = [{"name": name, "method": name.split(":")[0], "m": 3, "layers": [1, 2, 3], "entropy": 1.0,
              "entropy_normalized": 0.5, "seeds": [0, 1]} for name in ("eagle3", "elsi:3")]
-    # temperature 1 decoded live for each set's seed 0 only (--live-seeds 1): seed 1 needs no live benchmark
+    # temperature 1 decoded live for seed 0 only (--live-seeds 0): seed 1 needs no live benchmark
     (out / "plan.json").write_text(json.dumps({"model": "m", "num_layers": 6, "sets": sets, "seeds": [0, 1],
-                                               "settings": {"bench": {"temperature": [0.0, 1.0], "live_seeds": 1}}}))
+                                               "settings": {"bench": {"temperature": [0.0, 1.0], "live_seeds": [0]}}}))
     (out / "bench" / "baseline.json").write_text("{}")
     (out / "bench" / "eagle3-s0.json").write_text("{}")
     for name, status in (("eagle3-s0", "complete"), ("eagle3-s1", "complete"), ("elsi-3-s0", "complete"),

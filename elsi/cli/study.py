@@ -21,8 +21,8 @@ from elsi.models import load_target
 from elsi.report import build_report
 from elsi.report.study import condition_table, spearman_line
 from elsi.study import PLAN, Hooks, StudyConfig, make_plan, prepare_study, run_study
-from elsi.study.plan import load_plan, require_same_settings
-from elsi.study.run import StudyRun, check_precision, draft_complete, draft_dir
+from elsi.study.plan import decoded_live, load_plan, require_same_settings
+from elsi.study.run import StudyRun, check_live_weights, check_precision, draft_complete, draft_dir
 from elsi.study.summary import claims_condition
 from elsi.text import md_table
 
@@ -100,6 +100,7 @@ def check_study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, device
     require_same_settings(cfg.out, cfg, fcfg, tcfg)
     plan = load_plan(cfg.out)
     here = check_precision(cfg.out, plan, feature_dtype, tcfg.train_dtype, device)
+    check_live_weights(cfg.out, plan, decoded_live(plan.draft_seeds, bool(cfg.live_temperatures), cfg.live_seeds))
     done = sum(draft_complete(draft_dir(cfg.out, s, seed)) for s, seed in plan.drafts)
     print(f"{cfg.out}: can go on here: the settings match {path} (the analysis's are checked once it exists) and "
           f"{done} finished draft(s) were trained as this run would train the rest ({here})")

@@ -61,12 +61,12 @@ def with_exact(settings: dict, exact: dict | None) -> dict:
     return settings if exact is None else {**settings, "exact": exact}
 
 
-def with_live_seeds(bench: dict, live_seeds: int) -> dict:
-    """plan.json's ``settings.bench`` with ``live_seeds`` only where it limits the seeds decoded live (> 0).
+def with_live_seeds(bench: dict, live_seeds: list[int]) -> dict:
+    """plan.json's ``settings.bench`` with ``live_seeds`` only where it limits the seeds decoded live (given).
 
     Keeps plan.json from before ``--live-seeds`` (no ``live_seeds``: every seed decoded live) matching a run that
     decodes every seed."""
-    return {**bench, "live_seeds": live_seeds} if live_seeds else bench
+    return {**bench, "live_seeds": sorted(live_seeds)} if live_seeds else bench
 
 
 def matmul_dtype(training: dict) -> str:

@@ -63,10 +63,11 @@ class StudyConfig:
     top_k: int = like(BenchConfig, "top_k")
     warmup: int = like(BenchConfig, "warmup")
     bench_seed: int = like(BenchConfig, "seed", help_suffix=" (the same for every draft: paired comparisons)")
-    live_seeds: int = opt(0, "decode the live temperatures (--temperature, but 0 where the exact evaluator gives it) "
-                             "for each set's first this many seeds only (0 = every seed): the exact τ covers every "
-                             "draft, live decoding (minutes per question) the paired seeds that fit the time; the "
-                             "conditions with a live temperature are then over those seeds alone")
+    live_seeds: list[int] = opt([], "decode the live temperatures (--temperature, but 0 where the exact evaluator "
+                                    "gives it) for these of --seeds only (none given: every seed): the exact τ "
+                                    "covers every draft, live decoding (minutes per question) the paired seeds that "
+                                    "fit the time; the conditions with a live temperature are then over those "
+                                    "seeds alone")
     bootstrap: int = opt(1000, "bootstrap resamples of the Spec-Bench questions for the intervals (0 = none)")
     exact_questions_per_subtask: int = opt(80, "temperature 0: τ from the exact evaluator (the target's cached "
                                                "greedy answers, no decoding loop: elsi.specbench.exact) on this "
@@ -91,7 +92,7 @@ class StudyConfig:
         if not self.seeds:
             raise ValueError("--seeds is empty: give at least one seed")
         for flag, values in (("--seeds", self.seeds), ("--multi-seed-sets", self.multi_seed_sets),
-                             ("--vllm-sets", self.vllm_sets)):
+                             ("--vllm-sets", self.vllm_sets), ("--live-seeds", self.live_seeds)):
             dup = sorted({x for x in values if values.count(x) > 1})
             if dup:
                 raise ValueError(f"{flag} repeats {dup}")
@@ -101,8 +102,9 @@ class StudyConfig:
             raise ValueError(f"--other-seeds must be in 1..{len(self.seeds)} (the number of --seeds), got {self.other_seeds}")
         if self.check and self.so_far:
             raise ValueError("--check and --so-far: give one")
-        if self.live_seeds < 0:
-            raise ValueError(f"--live-seeds must be >= 0 (0 = every seed), got {self.live_seeds}")
+        unknown = [sd for sd in self.live_seeds if sd not in self.seeds]
+        if unknown:
+            raise ValueError(f"--live-seeds {unknown}: not among --seeds {self.seeds}")
         if self.bootstrap < 0:
             raise ValueError(f"bootstrap must be >= 0, got {self.bootstrap}")
         if not 0 <= self.exact_questions_per_subtask <= 80:
@@ -213,12 +215,10 @@ class StudyPlan:
 
     @property
     def live_seeds(self) -> dict[str, list[int]]:
-        """Each set's seeds decoded live, by name: its first ``--live-seeds`` (all where that is 0), none where the
-        plan decodes no temperature live."""
-        if not live_temperatures(self.settings):
-            return {name: [] for name in self.draft_seeds}
-        k = self.settings.get("bench", {}).get("live_seeds") or None
-        return {name: list(seeds[:k]) for name, seeds in self.draft_seeds.items()}
+        """Each set's seeds decoded live, by name: those of ``--live-seeds`` it has (every one where that is not
+        given), none where the plan decodes no temperature live."""
+        return decoded_live(self.draft_seeds, bool(live_temperatures(self.settings)),
+                            self.settings.get("bench", {}).get("live_seeds"))
 
     @property
     def exact(self) -> dict | None:
@@ -373,6 +373,12 @@ def make_plan(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, run_dir:
                      run_model=read_json(man).get("model") if man.is_file() else None, block=selector.run.block)
 
 
+def decoded_live(draft_seeds: dict[str, list[int]], live: bool, only: list[int] | None) -> dict[str, list[int]]:
+    """Each set's seeds decoded live, by name (``draft_seeds``: each set's seeds): those in ``only`` (``--live-seeds``;
+    empty or None: every seed), none where no temperature is decoded live (``live`` false)."""
+    return {name: [sd for sd in seeds if live and (not only or sd in only)] for name, seeds in draft_seeds.items()}
+
+
 def live_temperatures(settings: dict) -> list[float]:
     """The temperatures a plan.json's ``settings`` decode live (``StudyConfig.live_temperatures``): all of
     ``bench.temperature`` but 0 where the exact evaluator gives it (``exact``)."""
@@ -404,7 +410,7 @@ def plan_differences(old: dict, new: dict) -> list[str]:
 
 
 def _any_live_seeds(settings: dict) -> dict:
-    """``settings`` without ``bench.live_seeds``: how many seeds are decoded live may change between runs (a draft's
+    """``settings`` without ``bench.live_seeds``: which seeds are decoded live may change between runs (a draft's
     live benchmark does not depend on it; more seeds add benchmarks, fewer leave some unread)."""
     if "live_seeds" not in settings.get("bench", {}):
         return settings
@@ -451,6 +457,7 @@ def load_plan(study_dir: str | Path) -> StudyPlan:
     return StudyPlan.from_json(read_json(Path(study_dir) / PLAN))
 
 
-__all__ = ["DEFAULT_SETS", "PLAN", "LayerSet", "StudyConfig", "StudyPlan", "load_plan", "make_plan", "parse_set",
+__all__ = ["DEFAULT_SETS", "PLAN", "LayerSet", "StudyConfig", "StudyPlan", "decoded_live", "load_plan", "make_plan",
+           "parse_set",
            "live_temperatures", "plan_differences", "require_same_settings", "resolve_sets", "set_seeds", "set_slug",
            "settings_differences", "write_plan"]

@@ -7,8 +7,8 @@ Step by step (STUDY_DIR layout in docs/INTERFACES.md):
    every draft's speed-up is against plain decoding timed where the draft was).
 3. Per set and each of its seeds (plan.json): train the draft (``drafts/<set>-s<seed>/``), then
    benchmark it with speculative decoding only (``bench/<set>-s<seed>.json``) at the temperatures
-   decoded live (``--live-seeds``: for each set's first seeds only), and (``--exact-questions-per-subtask``) its exact τ at temperature 0 on the target's
-   cached greedy answers for every tree size (``exact/<set>-s<seed>.json``; ``elsi.specbench.exact``).
+   decoded live (``--live-seeds``: those seeds only), and (``--exact-questions-per-subtask``) its exact τ
+   at temperature 0 on the target's cached greedy answers for every tree size (``exact/<set>-s<seed>.json``; ``elsi.specbench.exact``).
 4. ``--vllm-sets``: vLLM serves those sets' drafts (every seed) as chains of ``--vllm-spec-tokens``
    at temperature 0, next to elsi's chain on the same questions (``vllm/<set>-s<seed>.json``; a file
    made with other settings is redone).
@@ -35,7 +35,7 @@ from elsi.data.conversations import Dataset
 from elsi.decode.drafters import load_drafter
 from elsi.decode.tree import TreeConfig
 from elsi.draft.cache import FeatureStore
-from elsi.draft.checkpoint import TRAINING
+from elsi.draft.checkpoint import TRAINING, WEIGHTS
 from elsi.draft.features import FeatureConfig, build_features
 from elsi.draft.features import Progress as FeatureProgress
 from elsi.draft.train import TrainConfig, matmul_dtype, train_draft
@@ -155,6 +155,23 @@ def check_precision(study_dir: str | Path, plan: StudyPlan, feature_dtype: str |
     return here
 
 
+def check_live_weights(study_dir: str | Path, plan: StudyPlan, live: dict[str, list[int]]) -> None:
+    """Raise ValueError naming the trained drafts of ``plan`` that are to be decoded live (``live``: each set's seeds
+    decoded live, by name) but have neither their live benchmark nor their weights here: their records came from
+    another machine (``bench/study_results.sh`` keeps no weights), so nothing can decode them."""
+    d = Path(study_dir)
+    missing = [draft_dir(d, s, seed) for s, seed in plan.drafts if seed in live.get(s.name, [])
+               and draft_complete(draft_dir(d, s, seed)) and not (draft_dir(d, s, seed) / WEIGHTS).is_file()
+               and _readable(bench_path(d, s, seed)) is None]
+    if missing:
+        gone = {int(p.name.rsplit("-s", 1)[1]) for p in missing}
+        here = sorted({sd for v in live.values() for sd in v} - gone)
+        raise ValueError(f"{len(missing)} draft(s) to decode live have no weights in {d} (trained on another machine; "
+                         f"their records alone came here): {', '.join(p.name for p in missing)}. Decode live only "
+                         f"seeds whose drafts are all here (--live-seeds {' '.join(map(str, here)) or '…'}), or "
+                         "retrain them (--restart)")
+
+
 def clear_study(study_dir: str | Path) -> None:
     """Remove what a study wrote (plan, drafts, benchmarks, results, report); the feature cache stays."""
     d = Path(study_dir)
@@ -247,6 +264,7 @@ def run_study(run: StudyRun, dataset: Dataset, command: str = "",
     if feature_dtype is None and not callable(features_target):
         feature_dtype = (features_target or run.target).dtype_name
     check_precision(study_dir, plan, feature_dtype, run.tcfg.train_dtype, run.device)
+    check_live_weights(study_dir, plan, plan.live_seeds)
     (study_dir / BENCH).mkdir(parents=True, exist_ok=True)
     if run.cfg.exact_settings():
         (study_dir / EXACT).mkdir(exist_ok=True)
@@ -322,7 +340,7 @@ def draft_steps(run: StudyRun, store: FeatureStore | None, s: LayerSet, seed: in
             rec = bench_step(run, s, seed, lambda text: run.say(i, text))
         else:
             run.say(i, f"benchmarking {s.name} {list(s.layers)} seed {seed}: not decoded live (--live-seeds "
-                       f"{run.cfg.live_seeds}: seeds {run.plan.live_seeds[s.name]} of this set are)")
+                       f"{' '.join(map(str, run.cfg.live_seeds))})")
     if run.cfg.exact_settings():
         i += 1
         exact = exact_step(run, s, seed, lambda text: run.say(i, text))
@@ -450,5 +468,5 @@ def write_summary(study_dir: str | Path, plan: StudyPlan, benches: dict, baselin
 
 
 __all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "StudyRun", "baseline_path",
-           "baseline_paths", "bench_path", "check_precision", "clear_study", "draft_dir", "draft_complete",
+           "baseline_paths", "bench_path", "check_live_weights", "check_precision", "clear_study", "draft_dir", "draft_complete",
            "exact_path", "feature_config", "load_study", "prepare_study", "run_study", "with_exact", "write_summary"]
