@@ -37,9 +37,9 @@ from elsi.study.sofar import finished_drafts
 out, dest = sys.argv[1:]
 plan = load_plan(out)
 done = finished_drafts(out, plan)[0]
+kept = {draft_dir(out, s, sd).name for s, sd in plan.drafts if (s.name, sd) in done}
 for d in sorted(Path(out, "drafts").glob("*/")):
-    s_seed = next(((s, sd) for s, sd in plan.drafts if draft_dir(out, s, sd) == d), None)
-    if s_seed and (s_seed[0].name, s_seed[1]) in done:
+    if d.name in kept:
         (Path(dest) / "drafts" / d.name).mkdir(parents=True)
         for f in ("training.json", "config.json"):
             shutil.copy(d / f, Path(dest) / "drafts" / d.name / f)

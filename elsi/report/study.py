@@ -26,9 +26,14 @@ def load_study(study_dir: str | Path) -> dict:
 def seeds_phrase(study: dict) -> str:
     """The study's seeds in words: ``seeds [0, 1]`` when every set has them all, else per group of sets,
     ``seeds [0, 1] for eagle3, elsi:3; [0] for eagle2, elsi:2``."""
+    return seeds_words({s["name"]: s.get("seeds", study["seeds"]) for s in study["sets"]})
+
+
+def seeds_words(seeds: dict[str, list[int]]) -> str:
+    """Each set's seeds (by name) in words, as ``seeds_phrase``."""
     groups: dict[tuple[int, ...], list[str]] = {}
-    for s in study["sets"]:
-        groups.setdefault(tuple(s.get("seeds", study["seeds"])), []).append(s["name"])
+    for name, v in seeds.items():
+        groups.setdefault(tuple(v), []).append(name)
     if len(groups) == 1:
         return f"seeds {list(next(iter(groups)))}"
     return "seeds " + "; ".join(f"{list(k)} for {', '.join(v)}" for k, v in groups.items())
@@ -101,8 +106,7 @@ def study_markdown(study: dict) -> str:
         kind = ("exact τ: no decoding loop" if cond.get("exact") else
                 "exact τ at T = 0, decoded at the other temperatures" if cond.get("mixed") else "decoded")
         if cond.get("seeds_decoded"):  # --live-seeds: the condition is over the seeds decoded live only
-            kind += ", over " + seeds_phrase({"seeds": [], "sets": [{"name": k, "seeds": v} for k, v in
-                                                                    cond["seeds_decoded"].items()]}) + " only"
+            kind += f", over {seeds_words(cond['seeds_decoded'])} only"
         how = f" ({cond['questions']} questions, {kind})" if "questions" in cond else ""
         parts += [f"## τ, {cond['label']}{how}", "", md_table(*condition_table(cond, study["subtasks"])), "",
                   spearman_line(cond), ""]
@@ -143,4 +147,5 @@ def study_markdown(study: dict) -> str:
     return "\n".join(parts)
 
 
-__all__ = ["NOTE", "STUDY_JSON", "condition_table", "load_study", "seeds_phrase", "spearman_line", "study_markdown"]
+__all__ = ["NOTE", "STUDY_JSON", "condition_table", "load_study", "seeds_phrase", "seeds_words", "spearman_line",
+           "study_markdown"]

@@ -121,11 +121,6 @@ class StudyConfig:
         """The temperatures decoded live: all but 0 when the exact evaluator gives temperature 0."""
         return [t for t in self.temperature if not (self.exact_questions_per_subtask and t == 0)]
 
-    def bench_settings(self, bench: dict) -> dict:
-        """plan.json's ``bench`` (``bench``: the benchmark's own settings) with ``live_seeds`` where it limits the
-        seeds decoded live (``compat.with_live_seeds``)."""
-        return compat.with_live_seeds(bench, self.live_seeds)
-
     def exact_settings(self) -> dict | None:
         """plan.json's ``exact``: what the exact τ of a draft depends on (None: no exact step)."""
         if not self.exact_questions_per_subtask:
@@ -354,7 +349,7 @@ def plan_settings(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, sele
     bench = result_settings(cfg.bench_config(fcfg.model, baseline=True),
                             drop=("model", "draft", "out", "hf_generate", "plain", "exact"))
     out = compat.with_exact({"features": features, "train": {**train, "time_budget": cfg.train_budget},
-                             "bench": cfg.bench_settings(bench)}, cfg.exact_settings())
+                             "bench": compat.with_live_seeds(bench, cfg.live_seeds)}, cfg.exact_settings())
     if selector is None:
         return out
     return {"run": str(selector.cfg.run), **out, "select": selector.settings()}
@@ -458,6 +453,5 @@ def load_plan(study_dir: str | Path) -> StudyPlan:
 
 
 __all__ = ["DEFAULT_SETS", "PLAN", "LayerSet", "StudyConfig", "StudyPlan", "decoded_live", "load_plan", "make_plan",
-           "parse_set",
-           "live_temperatures", "plan_differences", "require_same_settings", "resolve_sets", "set_seeds", "set_slug",
+           "parse_set", "live_temperatures", "plan_differences", "require_same_settings", "resolve_sets", "set_seeds", "set_slug",
            "settings_differences", "write_plan"]

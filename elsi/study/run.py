@@ -8,7 +8,8 @@ Step by step (STUDY_DIR layout in docs/INTERFACES.md):
 3. Per set and each of its seeds (plan.json): train the draft (``drafts/<set>-s<seed>/``), then
    benchmark it with speculative decoding only (``bench/<set>-s<seed>.json``) at the temperatures
    decoded live (``--live-seeds``: those seeds only), and (``--exact-questions-per-subtask``) its exact τ
-   at temperature 0 on the target's cached greedy answers for every tree size (``exact/<set>-s<seed>.json``; ``elsi.specbench.exact``).
+   at temperature 0 on the target's cached greedy answers for every tree size (``exact/<set>-s<seed>.json``;
+   ``elsi.specbench.exact``).
 4. ``--vllm-sets``: vLLM serves those sets' drafts (every seed) as chains of ``--vllm-spec-tokens``
    at temperature 0, next to elsi's chain on the same questions (``vllm/<set>-s<seed>.json``; a file
    made with other settings is redone).
@@ -160,14 +161,14 @@ def check_live_weights(study_dir: str | Path, plan: StudyPlan, live: dict[str, l
     decoded live, by name) but have neither their live benchmark nor their weights here: their records came from
     another machine (``bench/study_results.sh`` keeps no weights), so nothing can decode them."""
     d = Path(study_dir)
-    missing = [draft_dir(d, s, seed) for s, seed in plan.drafts if seed in live.get(s.name, [])
+    missing = [(s, seed) for s, seed in plan.drafts if seed in live.get(s.name, [])
                and draft_complete(draft_dir(d, s, seed)) and not (draft_dir(d, s, seed) / WEIGHTS).is_file()
                and _readable(bench_path(d, s, seed)) is None]
     if missing:
-        gone = {int(p.name.rsplit("-s", 1)[1]) for p in missing}
-        here = sorted({sd for v in live.values() for sd in v} - gone)
+        here = sorted({sd for v in live.values() for sd in v} - {seed for _, seed in missing})
+        names = ", ".join(draft_dir(d, s, seed).name for s, seed in missing)
         raise ValueError(f"{len(missing)} draft(s) to decode live have no weights in {d} (trained on another machine; "
-                         f"their records alone came here): {', '.join(p.name for p in missing)}. Decode live only "
+                         f"their records alone came here): {names}. Decode live only "
                          f"seeds whose drafts are all here (--live-seeds {' '.join(map(str, here)) or '…'}), or "
                          "retrain them (--restart)")
 
@@ -468,5 +469,5 @@ def write_summary(study_dir: str | Path, plan: StudyPlan, benches: dict, baselin
 
 
 __all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "StudyRun", "baseline_path",
-           "baseline_paths", "bench_path", "check_live_weights", "check_precision", "clear_study", "draft_dir", "draft_complete",
-           "exact_path", "feature_config", "load_study", "prepare_study", "run_study", "with_exact", "write_summary"]
+           "baseline_paths", "bench_path", "check_live_weights", "check_precision", "clear_study", "draft_dir",
+           "draft_complete", "exact_path", "feature_config", "load_study", "prepare_study", "run_study", "with_exact", "write_summary"]

@@ -35,7 +35,8 @@ def _record(path: Path) -> dict | None:
 def finished_drafts(study_dir: str | Path, plan: StudyPlan) -> tuple[dict, dict]:
     """The drafts of ``plan`` finished in ``study_dir``: trained, with every result the plan asks of them (a live
     benchmark where it decodes a temperature live for that seed, the exact τ of the plan's settings where it has
-    one) -> (their results as the summary reads them, their training.json), each keyed (set name, seed), in plan order."""
+    one) -> (their results as the summary reads them, their training.json), each keyed (set name, seed), in plan
+    order."""
     benches: dict[tuple[str, int], dict] = {}
     trained: dict[tuple[str, int], dict] = {}
     live = plan.live_seeds

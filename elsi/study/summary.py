@@ -443,5 +443,5 @@ def verdict(study: dict) -> list[str]:
     return out
 
 
-__all__ = ["claims_condition", "condition_seeds", "delta_pct_interval", "draft_stats", "gap_sentence", "summarize_condition",
-           "summarize_study", "verdict", "vllm_rows"]
+__all__ = ["claims_condition", "condition_seeds", "delta_pct_interval", "draft_stats", "gap_sentence",
+           "summarize_condition", "summarize_study", "verdict", "vllm_rows"]
