@@ -679,6 +679,29 @@ def test_compare_studies_tests_the_compartment_explanation(tmp_path):
     assert png_size(path) == pixel_size("models_tau_entropy")
 
 
+def test_compartment_rule_for_powered_studies_decides_when_every_width_is_met():
+    """Rule 5 on claim 4: with every interval inside the width target there is no "not resolvable"; no gain on
+    the most compartmentalised model contradicts the claim (the case issue 30's runs found)."""
+    from elsi.study.compare import CONTRADICTED, SUPPORTED, UNRESOLVED, judge_compartments, judge_m3
+
+    def model(name, comps, adjacent, g):
+        return {"model": name, "cka": {"multi_layer_compartments": comps, "mean_adjacent_cka": adjacent},
+                "verdicts": {"m3_gain": {"verdict": judge_m3(g)[0]}}, "gain_m3": g}
+
+    none_many, none_broad = _powered(-0.4, -0.7, -0.1), _powered(-0.03, -0.23, 0.16)
+    verdict, numbers = judge_compartments([model("broad", 2, 0.97, none_broad), model("many", 4, 0.70, none_many)])
+    assert verdict == CONTRADICTED and numbers.startswith("many: 4 compartments")
+    assert numbers.endswith("(no gain on the most compartmentalised model)")
+    gain = _powered(1.9, 1.2, 2.6)
+    assert judge_compartments([model("many", 4, 0.70, gain), model("broad", 2, 0.97, none_broad)])[0] == SUPPORTED
+    verdict, numbers = judge_compartments([model("many", 4, 0.70, gain), model("broad", 2, 0.97, gain)])
+    assert verdict == CONTRADICTED and numbers.endswith("(the least compartmentalised model gains as well)")
+    wide = _powered(0.4, -1.0, 1.8, seeds=2)  # misses the width target: rule 4 alone, which leaves this open
+    assert judge_compartments([model("many", 4, 0.70, wide), model("broad", 2, 0.97, none_broad)])[0] == UNRESOLVED
+    old = _gain(0.2, -0.4, 1.0, 0.5)  # a live-decoding study: rule 4 alone
+    assert judge_compartments([model("many", 4, 0.70, old), model("broad", 2, 0.97, old)])[0] == UNRESOLVED
+
+
 def test_delta_pct_interval_against_a_naive_hierarchical_bootstrap():
     """Paired seeds and questions drawn together: the interval equals a loop over resamples written out."""
     from elsi.study.summary import delta_pct_interval

@@ -36,6 +36,11 @@ seeds of any set):
    m3_gain: contradicted when the interval lies below +1.6 %; supported when it lies above 0 and reaches
    +1.6 %. m1_parity: supported when |Δ| < 1.6 %, contradicted otherwise. where: supported as in 3,
    contradicted otherwise. compartments: as in 4, on these verdicts.
+   Completed after both powered runs (issue 30 allows "not resolvable" only where the width target is
+   missed, and rule 4 left open the case of neither model gaining, which is what the runs found): when
+   every model's interval meets the target, compartments is supported as in 4 and contradicted otherwise
+   (the most compartmentalised model shows no gain, or the least one gains as well). Under rule 4 alone
+   the two powered studies of issue 30 would read "not resolvable".
 """
 
 from __future__ import annotations
@@ -208,6 +213,7 @@ def judge_where(g: dict | None) -> tuple[str, str]:
 
 
 def judge_compartments(models: list[dict]) -> tuple[str, str]:
+    """Claim 4 (rules 4 and 5) across the models (``model_entry``): (verdict, the numbers it rests on)."""
     if len(models) < 2:
         return UNRESOLVED, "one model only"
     key = lambda m: (-m["cka"]["multi_layer_compartments"], m["cka"]["mean_adjacent_cka"])  # noqa: E731
@@ -226,7 +232,16 @@ def judge_compartments(models: list[dict]) -> tuple[str, str]:
         return SUPPORTED, txt
     if gains[1] and reach0[0]:
         return CONTRADICTED, txt
+    if all(_powered_decided(m["gain_m3"]) for m in models):  # rule 5: every interval meets the width target
+        why = ("no gain on the most compartmentalised model" if not gains[0]
+               else "the least compartmentalised model gains as well")
+        return CONTRADICTED, f"{txt} ({why})"
     return UNRESOLVED, txt
+
+
+def _powered_decided(g: dict | None) -> bool:
+    """Whether a gain comes from a powered study whose interval meets ``TARGET_HALF_WIDTH`` (rule 5 decides)."""
+    return g is not None and g.get("half_width") is not None and _width_missed(g) is None
 
 
 def heldout_summary(study: dict) -> dict:
