@@ -12,7 +12,8 @@
 #   after the T = 0 drafts, as the same study with live decoding added for each set's two paired seeds:
 #     bash bench/study3.sh MODEL STUDY_DIR --temperature 0 1 --questions-per-subtask 3 --live-seeds 0 1
 #   (18 questions, 3 per subtask, at ≤ 128 tokens on 16 drafts; ~20 minutes per Gemma-3 draft:
-#   bench/results/t1_cost_gemma3-270m.json). It trains and evaluates nothing again, but needs the drafts' weights.
+#   bench/results/t1_cost_gemma3-270m.json). It trains and evaluates nothing again, but needs the drafts' weights;
+#   where they are gone (records kept, another machine), bench/study3_t1.sh retrains seeds 0-1 for temperature 1.
 #   Resumable across interruptions and machines of the same precision: rerun the same command. Finished drafts
 #   travel without their weights: `PARTIAL=1 bash bench/study_results.sh MODEL STUDY_DIR bench/results/study3-MODEL`
 #   keeps their records (plan, training.json, exact τ), and this script copies them back into a STUDY_DIR that has
@@ -25,7 +26,7 @@ ARGS=(--model "$MODEL" --data sharegpt --run runs/$MODEL --out "$OUT" --features
   --sets eagle3 elsi:3 elsi:1 eagle2 elsi:2 elsi-c:3 low-entropy:3 uniform:3 --seeds 0 1 2 3 4 5 6 7
   --multi-seed-sets eagle3 elsi:3 elsi:1 --other-seeds 2 --train-budget 0 --max-steps 1200 --samples 1200
   --ttt "${TTT:-2}" --temperature 0 --tree-nodes 1 30 60 --exact-questions-per-subtask 80 --threads 2 "${@:3}")
-KEPT=bench/results/study3-$MODEL
+KEPT=${KEPT:-bench/results/study3-$MODEL}  # the kept records it goes on from (bench/study3_t1.sh: its own)
 if [ ! -f "$OUT/plan.json" ] && [ -f "$KEPT/plan.json" ]; then
   mkdir -p "$OUT" && cp -r "$KEPT"/. "$OUT"/ && rm -rf "$OUT/PARTIAL.txt" "$OUT/answers"
   echo "$OUT: went on from the records in $KEPT"
