@@ -468,7 +468,8 @@ def test_vllm_bench_keeps_finished_configurations_across_an_interrupt(tmp_path, 
     the progress file and not run again after an interruption; the results equal an uninterrupted run's. vLLM
     itself is a stand-in here (greedy decoding by the target; tests/test_vllm.py runs the real one)."""
     import elsi.engines.vllm as ev
-    from elsi.engines.vllm import VllmBenchConfig, progress_path, run_vllm_bench
+    from elsi.engines.vllm import VllmBenchConfig, run_vllm_bench
+    from elsi.specbench.runner import progress_path
     from elsi.specbench.runner import BenchConfig
 
     draft = tmp_path / "draft"

@@ -6,7 +6,7 @@ analyze``, is rebuilt), a run that would train or score on nothing is an error, 
 ever loaded, a bad ``--model`` fails before any data loads, a draft recorded for another target
 fails before any model loads, another tool's draft loads from its standard keys, and ``analyze``, ``train-draft``
 and ``study`` interrupted by SIGINT or SIGKILL at seeded random points resume to the result
-of an uninterrupted run, and two processes writing one output never both do: a second ``analyze`` on a
+of an uninterrupted run (``bench --out`` killed part way: at the question it was on), and two processes writing one output never both do: a second ``analyze`` on a
 busy run directory is refused before any model loads, two ``train-draft`` that need one feature cache
 build it once, two first conversions of a GGUF file convert it once, and a lock left by a killed
 process is taken over with a notice.
@@ -754,6 +754,87 @@ def test_study_killed_by_sigint_then_sigkill_resumes_to_the_same_results(model_d
     assert "eagle2-s0.json is corrupt" in err and "training.json is corrupt" in err
     assert tau(json.loads((out / "study.json").read_text())) == tau(sa)
     assert json.loads((out / "drafts" / "elsi-2-s0" / "training.json").read_text())["status"] == "complete"
+
+
+def bench_argv(model_dir: Path, draft: Path, out: Path) -> list[str]:
+    return ["bench", "--model", str(model_dir), "--draft", str(draft), "--subtasks", "qa", "translation",
+            "--questions-per-subtask", "4", "--max-new-tokens", "24", "--temperature", "0", "1", "--tree-nodes", "4",
+            "--depth", "3", "--top-k", "2", "--no-hf-generate", "--warmup", "0", "--out", str(out)]
+
+
+def _answers(path: Path) -> list[tuple]:
+    return [(a["question_id"], a["temperature"], a["method"], a["tree_nodes"], a["new_tokens"], a["steps"],
+             a["accepted"]) for a in json.loads(path.read_text())["answers"]]
+
+
+def test_bench_killed_part_way_resumes_at_its_question(model_dir, tmp_path, monkeypatch):
+    """A live benchmark killed after some questions keeps them (``<out>.progress``) and answers only the rest:
+    the same answers as an uninterrupted run, at temperature 1 too (each question has its own generator)."""
+    draft = _saved_draft(model_dir, tmp_path / "draft")
+    _reference(bench_argv(model_dir, draft, tmp_path / "ref.json"), tmp_path, monkeypatch)
+    out = tmp_path / "cut.json"
+    progress = out.with_name("cut.json.progress")
+    _run_interrupted(bench_argv(model_dir, draft, out), tmp_path, "kill", signal.SIGKILL, lambda err: "[3/16]" in err,
+                     random.Random(5).uniform(0.0, 0.2))
+    assert not out.exists()
+    kept = json.loads(progress.read_text())["done"]
+    assert 3 <= len(kept) < 16, sorted(kept)
+    _finish(_start(bench_argv(model_dir, draft, out), tmp_path, "final"))
+    assert _answers(out) == _answers(tmp_path / "ref.json") and not progress.exists()
+    times = {(a["temperature"], a["question_id"], a["method"], a["tree_nodes"]): a["time_s"]
+             for a in json.loads(out.read_text())["answers"]}
+    for key, answers in kept.items():  # the kept questions were not answered again: their timings are the first run's
+        assert [times[(a["temperature"], a["question_id"], a["method"], a["tree_nodes"])] for a in answers] == \
+            [a["time_s"] for a in answers], key
+
+
+def test_bench_progress_of_another_draft_or_settings_is_not_taken_up(tiny_target, tmp_path, monkeypatch):
+    """A progress file is taken up only for the same settings, draft weights and kind of machine; otherwise the
+    benchmark starts over and says why."""
+    import elsi.specbench.runner
+    from elsi.decode import EagleDrafter
+    from elsi.draft.model import random_draft
+    from elsi.specbench.runner import BenchConfig, run_bench
+
+    draft = tmp_path / "draft"
+    random_draft(tiny_target, [2, 4, 6], draft_vocab=40, seed=0).save_pretrained(draft)
+    cfg = lambda **kw: BenchConfig(**{"model": "tiny", "draft": str(draft), "subtasks": ["qa"],  # noqa: E731
+                                      "questions_per_subtask": 3, "max_new_tokens": 6, "tree_nodes": [4], "depth": 3,
+                                      "top_k": 2, "hf_generate": False, "warmup": 0, **kw})
+    drafter = EagleDrafter(random_draft(tiny_target, [2, 4, 6], draft_vocab=40, seed=0).eval())
+    progress = tmp_path / "out.json.progress"
+    seen = []
+
+    def stop_after_two(a, done, total):
+        seen.append(a.question_id)
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(tiny_target, drafter, cfg(), on_answer=stop_after_two, progress=progress)
+    assert len(json.loads(progress.read_text())["done"]) == 2
+    ref = run_bench(tiny_target, drafter, cfg())
+    answered = []
+    real = elsi.specbench.runner.answer
+    monkeypatch.setattr(elsi.specbench.runner, "answer",
+                        lambda m, name, q, *a: answered.append(q.question_id) or real(m, name, q, *a))
+    res = run_bench(tiny_target, drafter, cfg(), progress=progress)  # the same draft: two questions kept
+    assert len(set(seen)) == 2 and set(answered) == {a["question_id"] for a in ref["answers"]} - set(seen)
+    key = lambda r: [(a["question_id"], a["method"], a["new_tokens"], a["steps"], a["accepted"])  # noqa: E731
+                     for a in r["answers"]]
+    assert key(res) == key(ref)
+    for why in ("draft weights", "settings"):
+        answered.clear()
+        if why == "draft weights":  # the same directory, retrained
+            random_draft(tiny_target, [2, 4, 6], draft_vocab=40, seed=1).save_pretrained(draft)
+        with pytest.warns(UserWarning, match=f"holds answers made with other {why}: the benchmark starts over"):
+            run_bench(tiny_target, drafter, cfg(max_new_tokens=7) if why == "settings" else cfg(), progress=progress)
+        assert len(set(answered)) == 3  # every question answered again
+    progress.write_text('{"done": [')
+    answered.clear()
+    with pytest.warns(UserWarning, match="is damaged: the benchmark starts over"):
+        run_bench(tiny_target, drafter, cfg(), progress=progress)
+    assert len(set(answered)) == 3
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from elsi.decode.drafters import check_draft_spec
 from elsi.engines.vllm import VllmBenchConfig
 from elsi.models import DEFAULT_MODEL, load_target
 from elsi.specbench import BenchConfig, encode_chat, machine_info, run_bench, summary_rows
+from elsi.specbench.runner import progress_path
 from elsi.text import md_table
 
 
@@ -80,8 +81,8 @@ def vllm_bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime, draft_c
     """``elsi bench --engine vllm``: every check that needs no model comes first (``draft_cfg``: the
     draft's ``DraftConfig``, already checked against the model by ``check_draft_spec``)."""
     from elsi.engines import check_for_engine
-    from elsi.engines.vllm import (agreement_rows, check_vllm_eagle3, engine_rows, progress_path, require_float32,
-                                   run_vllm_bench, vllm_python, write_results)
+    from elsi.engines.vllm import (agreement_rows, check_vllm_eagle3, engine_rows, require_float32, run_vllm_bench,
+                                   vllm_python, write_results)
 
     python = vllm_python()
     if cfg.draft in ("random", "target"):
@@ -150,11 +151,15 @@ def bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime) -> int:
         print(f"\r[{done}/{total}] {a.subtask} q{a.question_id}: {a.tokens_per_s:.1f} tok/s", end="",
               file=sys.stderr, flush=True)
 
-    res = run_bench(target, drafter, cfg, on_answer=show)
+    progress = progress_path(cfg.out) if cfg.out else None  # finished questions survive an interruption
+    res = run_bench(target, drafter, cfg, on_answer=show, progress=progress)
     print(file=sys.stderr)
     from elsi.collect.collector import package_versions
 
-    return _report({"draft": info, "versions": package_versions(), **res}, summary_rows, cfg.out)
+    code = _report({"draft": info, "versions": package_versions(), **res}, summary_rows, cfg.out)
+    if progress is not None:
+        progress.unlink(missing_ok=True)
+    return code
 
 
 def _report(res: dict, rows, out: str) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 from elsi.config import opt, result_settings
 from elsi.decode.engine import DecodeConfig
 from elsi.io import write_json
-from elsi.specbench.runner import BenchConfig
+from elsi.specbench.runner import BenchConfig, progress_path
 from elsi.stats.sampling import interval, pooled_tau, resample_weights
 from elsi.text import num
 
@@ -530,13 +530,6 @@ def write_results(results: dict, path: str | Path) -> Path:
     return path
 
 
-def progress_path(out: str | Path) -> Path:
-    """Where a benchmark writing ``out`` keeps its finished configurations until it is done (one writer: the
-    process holding ``out``'s lock, ``elsi bench --out`` or ``elsi study``; ``elsi.io.lock``)."""
-    out = Path(out)
-    return out.with_name(out.name + ".progress")
-
-
 __all__ = ["PRELOADS", "VENV_ENV", "BenchProgress", "check_states", "iomp_library", "preload_env", "VllmBenchConfig", "VllmWorker", "agreement_rows", "check_vllm_eagle3",
-           "engine_rows", "progress_path", "require_float32", "resummarize", "run_vllm_bench", "summarize_engines",
+           "engine_rows", "require_float32", "resummarize", "run_vllm_bench", "summarize_engines",
            "tau_agreement", "vllm_eagle3_support", "vllm_python", "write_results"]

@@ -14,12 +14,15 @@ tokens over steps, pooled over all steps of a subtask. Warm-up generations are n
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import platform
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,6 +31,7 @@ from elsi.data.conversations import Sample, render
 from elsi.data.spec_bench import SUBTASKS, Question, load_questions
 from elsi.decode.engine import DecodeConfig, Drafter, TargetRunner, generate, stop_tokens
 from elsi.decode.tree import TreeConfig
+from elsi.io import write_json
 from elsi.models import DEFAULT_MODEL
 from elsi.runtime import fast_bf16
 from elsi.stats.sampling import mean
@@ -200,12 +204,86 @@ def machine_label(machine: dict | None) -> str:
     return f"{m.get('cuda') or m.get('cpu') or m.get('processor') or 'unknown'}, {m.get('torch_threads')} threads"
 
 
+def progress_path(out: str | Path) -> Path:
+    """Where a benchmark writing ``out`` keeps its finished work until it is done (one writer: the process holding
+    ``out``'s lock, ``elsi bench --out`` or ``elsi study``; ``elsi.io.lock``)."""
+    out = Path(out)
+    return out.with_name(out.name + ".progress")
+
+
+def draft_digest(draft: str) -> str | None:
+    """SHA-256 of a draft directory's weights (its top-level ``*.safetensors``, by name); None for no directory."""
+    path = Path(draft) if draft else None
+    if path is None or not path.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+class AnswerProgress:
+    """The finished questions of one ``run_bench``, in a JSON file written whole after each question: an
+    interrupted benchmark resumes at the question it was on, with the answers already given kept. Every question
+    draws from its own generator (seed + question id), so the resumed answers are those of an uninterrupted run.
+    The file is taken up only for the same settings, the same draft weights and the same kind of machine
+    (``timing_key``: timings of another machine would mix into the speed-ups); otherwise it starts over, saying
+    why."""
+
+    def __init__(self, path: str | Path | None, cfg: BenchConfig) -> None:
+        self.path = Path(path) if path else None
+        self.done: dict[str, list[dict]] = {}
+        if self.path is None:
+            return
+        settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}
+        self.key = json.loads(json.dumps({"settings": settings, "draft_sha256": draft_digest(cfg.draft),
+                                          "timing": timing_key(machine_info())}))
+        if not self.path.is_file():
+            return
+        try:
+            rec = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            rec = None
+        if not isinstance(rec, dict) or not isinstance(rec.get("done"), dict):
+            warnings.warn(f"{self.path} is damaged: the benchmark starts over")
+        elif rec.get("key") != self.key:
+            theirs = rec.get("key") if isinstance(rec.get("key"), dict) else {}
+            diff = [what for k, what in (("settings", "settings"), ("draft_sha256", "draft weights"),
+                                         ("timing", "kind of machine")) if theirs.get(k) != self.key[k]]
+            warnings.warn(f"{self.path} holds answers made with other {' and '.join(diff)}: the benchmark starts "
+                          "over")
+        else:
+            self.done = rec["done"]
+
+    @staticmethod
+    def _id(temperature: float, question_id: int) -> str:
+        return f"{temperature}:{question_id}"
+
+    def restore(self, temperature: float, question_id: int) -> list[Answer] | None:
+        """A finished question's answers (every method's), or None."""
+        rec = self.done.get(self._id(temperature, question_id))
+        return None if rec is None else [Answer(**a) for a in rec]
+
+    def save(self, temperature: float, question_id: int, answers: list[Answer]) -> None:
+        if self.path is None:
+            return
+        self.done[self._id(temperature, question_id)] = [dataclasses.asdict(a) for a in answers]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, {"key": self.key, "done": self.done})
+
+
 def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
-              on_answer: Callable[[Answer, int, int], None] | None = None) -> dict:
+              on_answer: Callable[[Answer, int, int], None] | None = None,
+              progress: str | Path | None = None) -> dict:
     """Every method on every question at every temperature -> the results dict (see ``summarize``).
 
     Methods: transformers ``generate`` (``cfg.hf_generate``), plain decoding (``cfg.plain``) and,
-    with a drafter, speculative decoding at each tree size.
+    with a drafter, speculative decoding at each tree size. ``progress`` (``progress_path``): a file that keeps
+    the finished questions across an interruption (``AnswerProgress``); the caller removes it once the results
+    are written.
     """
     if drafter is None and not (cfg.hf_generate or cfg.plain):
         raise ValueError("run_bench: no drafter and neither hf_generate nor plain: nothing to run")
@@ -216,6 +294,7 @@ def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
     answers: list[Answer] = []
     total = len(cfg.temperature) * len(questions)
     done = 0
+    kept = AnswerProgress(progress, cfg)
     for temp in cfg.temperature:
         dcfg = DecodeConfig(cfg.max_new_tokens, temp, cfg.top_p)
         methods: list[tuple[str, int | None, Method]] = []
@@ -227,8 +306,9 @@ def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
             for n in cfg.tree_nodes:
                 tree = TreeConfig(n, cfg.depth, cfg.top_k)
                 methods.append(("spec", n, engine_method(runner, dcfg, eos, drafter, tree)))
+        to_answer = any(kept.restore(temp, q.question_id) is None for q in questions)
         warm = DecodeConfig(min(16, cfg.max_new_tokens), temp, cfg.top_p)
-        for _ in range(cfg.warmup):
+        for _ in range(cfg.warmup if to_answer else 0):  # nothing to warm up for when every question is kept
             for name, n, _m in methods:
                 m = (hf_method(target.model, warm, eos, pad) if name == "hf_generate" else
                      engine_method(runner, warm, eos, drafter if name == "spec" else None,
@@ -236,10 +316,15 @@ def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
                 answer(m, name, questions[0], target.tokenizer, temp, n,
                        torch.Generator(device=runner.device).manual_seed(cfg.seed))
         for q in questions:
-            for name, n, m in methods:
-                gen = torch.Generator(device=runner.device).manual_seed(cfg.seed + q.question_id)
-                a = answer(m, name, q, target.tokenizer, temp, n, gen)
-                answers.append(a)
+            mine = kept.restore(temp, q.question_id)
+            if mine is None:
+                mine = []
+                for name, n, m in methods:
+                    gen = torch.Generator(device=runner.device).manual_seed(cfg.seed + q.question_id)
+                    mine.append(answer(m, name, q, target.tokenizer, temp, n, gen))
+                kept.save(temp, q.question_id, mine)
+            answers.extend(mine)
+            a = mine[-1]
             done += 1
             if on_answer is not None:
                 on_answer(a, done, total)

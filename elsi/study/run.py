@@ -16,7 +16,8 @@ Step by step (STUDY_DIR layout in docs/INTERFACES.md):
 5. ``study.json`` and ``study.md`` (``elsi.study.summary``).
 
 Resumable: a draft whose ``training.json`` says complete and a benchmark file that exists are
-reused; an interrupted draft resumes from its checkpoint; an interrupted benchmark starts over.
+reused; an interrupted draft resumes from its checkpoint; an interrupted live benchmark resumes at the question it
+was on (``<benchmark file>.progress``, ``elsi.specbench.runner.AnswerProgress``); an interrupted exact τ starts over.
 Every file is written whole (temporary file, then rename).
 """
 
@@ -41,11 +42,11 @@ from elsi.draft.features import FeatureConfig, build_features
 from elsi.draft.features import Progress as FeatureProgress
 from elsi.draft.train import TrainConfig, matmul_dtype, train_draft
 from elsi.draft.train import Progress as TrainProgress
-from elsi.engines.vllm import VllmBenchConfig, progress_path, require_float32, run_vllm_bench
+from elsi.engines.vllm import VllmBenchConfig, require_float32, run_vllm_bench
 from elsi.io import RunError, read_json, write_json, write_text
 from elsi.models.load import Target
 from elsi.report.study import STUDY_JSON, load_study, study_markdown
-from elsi.specbench.runner import Answer, machine_info, machine_label, run_bench, timing_key
+from elsi.specbench.runner import Answer, machine_info, machine_label, progress_path, run_bench, timing_key
 from elsi.study import compat
 from elsi.study.plan import PLAN, LayerSet, StudyConfig, StudyPlan, write_plan
 from elsi.study.summary import summarize_study
@@ -317,8 +318,10 @@ def baseline_step(run: StudyRun) -> None:
         again = "" if path.name == BASELINE else (f", timed again on this machine ({machine_label(here)}) for "
                                                    f"the drafts benchmarked here ({path})")
         run.say(2, "baseline: plain decoding and transformers generate" + again)
-        res = run_bench(run.target, None, live_bench(run.cfg, run.fcfg.model, baseline=True), on_answer=run.hooks.bench)
+        res = run_bench(run.target, None, live_bench(run.cfg, run.fcfg.model, baseline=True), on_answer=run.hooks.bench,
+                        progress=progress_path(path))
         write_json(path, _bench_record(res, set=None, seed=None, draft=None))
+        progress_path(path).unlink(missing_ok=True)
 
 
 def draft_steps(run: StudyRun, store: FeatureStore | None, s: LayerSet, seed: int, first: int) -> tuple[dict, dict]:
@@ -360,8 +363,10 @@ def bench_step(run: StudyRun, s: LayerSet, seed: int, say: Callable[[str], None]
         say(what)
         out = str(draft_dir(run.study_dir, s, seed))
         drafter, info = load_drafter(out, run.target)
-        res = run_bench(run.target, drafter, live_bench(run.cfg, run.fcfg.model, draft=out), on_answer=run.hooks.bench)
+        res = run_bench(run.target, drafter, live_bench(run.cfg, run.fcfg.model, draft=out), on_answer=run.hooks.bench,
+                        progress=progress_path(path))
         write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
+        progress_path(path).unlink(missing_ok=True)
     return read_json(path)
 
 
