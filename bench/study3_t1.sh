@@ -7,8 +7,8 @@
 #   are those drafts again up to the machine's rounding.
 #   Resumable as bench/study3.sh; records kept with
 #   `PARTIAL=1 bash bench/study_results.sh MODEL STUDY_DIR bench/results/study3-t1-MODEL` and taken up from there.
-#   Cost: a Gemma-3 draft ~7 min training + ~20 min decoding (bench/results/t1_cost_gemma3-270m.json), plus the
-#   baseline (plain decoding and transformers generate on the same questions) once per machine.
+#   Cost on two cores: a Gemma-3 draft ~7-14 min training + ~31 min decoding (bench/results/README.md), plus the
+#   baseline (plain decoding and transformers generate on the same questions, ~10 min) once per machine.
 set -e
 MODEL=${1:?usage: bash bench/study3_t1.sh MODEL [STUDY_DIR [OPTION...]]}
 OUT=${2:-runs/study3-t1-$MODEL}
