@@ -830,6 +830,8 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     assert [x["digest"] for x in study["exact_answers"]] == [digest]
     assert sorted(study["exact_answers"][0]["drafts"]) == ["eagle3 s0", "eagle3 s1", "elsi:2 s0", "elsi:2 s1"]
     assert "different sets of the target's greedy answers" not in (out / "study.md").read_text()
+    assert sorted(p.name for p in (out / "bench").iterdir()) == sorted(  # the live benchmarks' .progress are gone
+        ["baseline.json", "eagle3-s0.json", "eagle3-s1.json", "elsi-2-s0.json", "elsi-2-s1.json"])
     for s in plan["sets"]:
         for seed in (0, 1):
             live = json.loads((out / "bench" / f"{s['slug']}-s{seed}.json").read_text())
