@@ -6,10 +6,10 @@ analyze``, is rebuilt), a run that would train or score on nothing is an error, 
 ever loaded, a bad ``--model`` fails before any data loads, a draft recorded for another target
 fails before any model loads, another tool's draft loads from its standard keys, and ``analyze``, ``train-draft``
 and ``study`` interrupted by SIGINT or SIGKILL at seeded random points resume to the result
-of an uninterrupted run (``bench --out`` killed part way: at the question it was on), and two processes writing one output never both do: a second ``analyze`` on a
-busy run directory is refused before any model loads, two ``train-draft`` that need one feature cache
-build it once, two first conversions of a GGUF file convert it once, and a lock left by a killed
-process is taken over with a notice.
+of an uninterrupted run (``bench --out`` killed part way resumes at the question it was on), and two processes
+writing one output never both do: a second ``analyze`` on a busy run directory is refused before any model loads,
+two ``train-draft`` that need one feature cache build it once, two first conversions of a GGUF file convert it
+once, and a lock left by a killed process is taken over with a notice.
 """
 
 from __future__ import annotations
