@@ -779,7 +779,8 @@ def test_bench_killed_part_way_resumes_at_its_question(model_dir, tmp_path, monk
     assert not out.exists()
     kept = json.loads(progress.read_text())["done"]
     assert 3 <= len(kept) < 16, sorted(kept)
-    _finish(_start(bench_argv(model_dir, draft, out), tmp_path, "final"))
+    _, err = _finish(_start(bench_argv(model_dir, draft, out), tmp_path, "final"))
+    assert f"going on from {progress}" in err
     assert _answers(out) == _answers(tmp_path / "ref.json") and not progress.exists()
     times = {(a["temperature"], a["question_id"], a["method"], a["tree_nodes"]): a["time_s"]
              for a in json.loads(out.read_text())["answers"]}

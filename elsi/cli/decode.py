@@ -152,6 +152,9 @@ def bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime) -> int:
               file=sys.stderr, flush=True)
 
     progress = progress_path(cfg.out) if cfg.out else None  # finished questions survive an interruption
+    if progress is not None and progress.is_file():
+        print(f"elsi bench: going on from {progress} (its questions are kept where the settings, the draft's "
+              "weights and the kind of machine are the same)", file=sys.stderr)
     res = run_bench(target, drafter, cfg, on_answer=show, progress=progress)
     print(file=sys.stderr)
     from elsi.collect.collector import package_versions

@@ -360,7 +360,8 @@ def bench_step(run: StudyRun, s: LayerSet, seed: int, say: Callable[[str], None]
     if _readable(path) is not None:
         say(f"{what} (done: {path})")
     else:
-        say(what)
+        going_on = progress_path(path).is_file()
+        say(what + (f" (going on from {progress_path(path)})" if going_on else ""))
         out = str(draft_dir(run.study_dir, s, seed))
         drafter, info = load_drafter(out, run.target)
         res = run_bench(run.target, drafter, live_bench(run.cfg, run.fcfg.model, draft=out), on_answer=run.hooks.bench,
