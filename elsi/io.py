@@ -53,6 +53,15 @@ def json_digest(obj: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes, streamed."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def write_json(path: Path, obj: dict, rebuild: str | None = None) -> None:
     """Write JSON atomically (a temporary file of this process's own, then rename: two processes writing one file
     at once leave one of theirs whole, never a mix). With ``rebuild`` (what remakes the file, for the error
@@ -98,6 +107,46 @@ def read_json(path: Path, fix: str = "remove it or use another --out") -> dict:
 LOCK_SUFFIX = ".lock"
 UNREADABLE_S = 5.0  # a lock file unreadable for this long is damaged (or, without hard links, left half-written)
 _held: dict[Path, str] = {}  # lock file -> token: the locks this process holds (taking one again nests)
+
+
+class ProgressFile:
+    """The finished parts of one long job (a benchmark's questions or configurations), in a JSON file written whole
+    after each part (``{"key": {...}, "done": {PART: VALUE}}``), so that an interrupted job goes on from there. The
+    file is taken up only when its key (what the results depend on, by name) equals this run's; otherwise, or when
+    it is damaged, a warning says why (``names``: a key's name in words) and the job starts over. ``path`` None
+    keeps nothing. One writer: the process holding the lock of the output the job writes (``lock``)."""
+
+    def __init__(self, path: str | Path | None, key: dict, names: dict[str, str] | None = None) -> None:
+        self.path = Path(path) if path else None
+        self.key = json.loads(json.dumps(key))  # as JSON reads it back
+        self.done: dict = {}
+        if self.path is None or not self.path.is_file():
+            return
+        try:
+            rec = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            rec = None
+        if not isinstance(rec, dict) or not isinstance(rec.get("done"), dict):
+            warnings.warn(f"{self.path} is damaged: starting over")
+        elif rec.get("key") != self.key:
+            theirs = rec["key"] if isinstance(rec.get("key"), dict) else {}
+            diff = [(names or {}).get(k, k) for k in dict.fromkeys([*self.key, *theirs])
+                    if theirs.get(k) != self.key.get(k)]
+            warnings.warn(f"{self.path} holds the progress of other {' and '.join(diff)}: starting over")
+        else:
+            self.done = rec["done"]
+
+    def get(self, part: str):
+        """A finished part's value, or None."""
+        return self.done.get(part)
+
+    def put(self, part: str, value) -> None:
+        """Record a finished part (JSON-serialisable ``value``) and write the file whole."""
+        if self.path is None:
+            return
+        self.done[part] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, {"key": self.key, "done": self.done})
 
 
 class BusyError(RunError):

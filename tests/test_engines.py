@@ -469,8 +469,7 @@ def test_vllm_bench_keeps_finished_configurations_across_an_interrupt(tmp_path, 
     itself is a stand-in here (greedy decoding by the target; tests/test_vllm.py runs the real one)."""
     import elsi.engines.vllm as ev
     from elsi.engines.vllm import VllmBenchConfig, run_vllm_bench
-    from elsi.specbench.runner import progress_path
-    from elsi.specbench.runner import BenchConfig
+    from elsi.specbench.runner import BenchConfig, progress_path
 
     draft = tmp_path / "draft"
     random_draft(tiny_target, [2, 4, 6], draft_vocab=40).save_pretrained(draft)

@@ -828,12 +828,12 @@ def test_bench_progress_of_another_draft_or_settings_is_not_taken_up(tiny_target
         answered.clear()
         if why == "draft weights":  # the same directory, retrained
             random_draft(tiny_target, [2, 4, 6], draft_vocab=40, seed=1).save_pretrained(draft)
-        with pytest.warns(UserWarning, match=f"holds answers made with other {why}: the benchmark starts over"):
+        with pytest.warns(UserWarning, match=f"holds the progress of other {why}: starting over"):
             run_bench(tiny_target, drafter, cfg(max_new_tokens=7) if why == "settings" else cfg(), progress=progress)
         assert len(set(answered)) == 3  # every question answered again
     progress.write_text('{"done": [')
     answered.clear()
-    with pytest.warns(UserWarning, match="is damaged: the benchmark starts over"):
+    with pytest.warns(UserWarning, match="is damaged: starting over"):
         run_bench(tiny_target, drafter, cfg(), progress=progress)
     assert len(set(answered)) == 3
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from jinja2 import TemplateError
 
+from elsi.io import file_sha256
 from elsi.models.adapters import plain_template
 
 ROLE_MAP = {
@@ -92,11 +93,7 @@ def fingerprint_bytes(data: bytes) -> dict:
 
 @functools.lru_cache(maxsize=16)
 def _file_fingerprint(path: str, size: int, mtime_ns: int) -> dict:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return {"size": size, "sha256": h.hexdigest()}
+    return {"size": size, "sha256": file_sha256(Path(path))}
 
 
 def data_fingerprint(spec: str) -> dict:

@@ -28,7 +28,6 @@ hashed once per process, spread over the first epoch, not at every open.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,20 +36,12 @@ import numpy as np
 import torch
 
 from elsi.draft.compat import cache_dtype, cache_files, cache_scales
-from elsi.io import read_json, write_json
+from elsi.io import file_sha256, read_json, write_json
 
 MANIFEST = "features.json"
 FORMAT = 2
 ARRAYS = ("ids", "argmax", "final", "states", "mask")
 FP16_MAX = 65504.0
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def rebuild_hint(path: Path) -> str:
@@ -215,5 +206,5 @@ def write_manifest(path: Path, man: dict) -> None:
     write_json(path / MANIFEST, man, rebuild=rebuild_hint(path))
 
 
-__all__ = ["ARRAYS", "FORMAT", "FP16_MAX", "MANIFEST", "FeatureStore", "file_sha256", "fp16_exponents", "to_fp16",
+__all__ = ["ARRAYS", "FORMAT", "FP16_MAX", "MANIFEST", "FeatureStore", "fp16_exponents", "to_fp16",
            "write_manifest", "write_shard"]

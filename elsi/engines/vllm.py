@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import subprocess
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,8 +25,8 @@ import numpy as np
 
 from elsi.config import opt, result_settings
 from elsi.decode.engine import DecodeConfig
-from elsi.io import write_json
-from elsi.specbench.runner import BenchConfig, progress_path
+from elsi.io import ProgressFile, write_json
+from elsi.specbench.runner import BenchConfig
 from elsi.stats.sampling import interval, pooled_tau, resample_weights
 from elsi.text import num
 
@@ -357,22 +356,11 @@ def check_states(worker: VllmWorker, target, layer_ids, text: str) -> dict:
             "rel_err_nearest_neighbour": near, "ok": bool(ok)}
 
 
-class BenchProgress:
-    """The finished configurations of one ``run_vllm_bench``, in a JSON file written whole after each."""
+class BenchProgress(ProgressFile):
+    """The finished configurations of one ``run_vllm_bench`` (``ProgressFile``, its key the run's settings)."""
 
     def __init__(self, path: str | Path | None, settings: dict) -> None:
-        self.path = Path(path) if path else None
-        self.settings = json.loads(json.dumps(settings))  # as JSON reads it back
-        self.done: dict[str, dict] = {}
-        if self.path is not None and self.path.is_file():
-            try:
-                rec = json.loads(self.path.read_text())
-            except (OSError, ValueError):
-                rec = None
-            if isinstance(rec, dict) and rec.get("settings") == self.settings:
-                self.done = rec.get("done", {})
-            else:
-                warnings.warn(f"{self.path} holds the progress of other settings (or is damaged): starting over")
+        super().__init__(path, {"settings": settings})
 
     @staticmethod
     def _key(name: str, k: int | None) -> str:
@@ -382,7 +370,7 @@ class BenchProgress:
         """Put a finished configuration's answers and tokens back; False when it is not finished."""
         from elsi.specbench.runner import Answer
 
-        rec = self.done.get(self._key(name, k))
+        rec = self.get(self._key(name, k))
         if rec is None:
             return False
         answers.extend(Answer(**a) for a in rec["answers"])
@@ -390,13 +378,9 @@ class BenchProgress:
         return True
 
     def save(self, name: str, k: int | None, answers: list, tokens: dict) -> None:
-        if self.path is None:
-            return
-        self.done[self._key(name, k)] = {
+        self.put(self._key(name, k), {
             "answers": [asdict(a) for a in answers if a.method == name and a.tree_nodes == k],
-            "tokens": {str(q): t for (m, kk, q), t in tokens.items() if m == name and kk == k}}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(self.path, {"settings": self.settings, "done": self.done})
+            "tokens": {str(q): t for (m, kk, q), t in tokens.items() if m == name and kk == k}})
 
 
 def _per_question(answers, method: str, k) -> dict[int, object]:

@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from elsi.data.conversations import Sample, render
 from elsi.data.spec_bench import SUBTASKS, Question, load_questions
 from elsi.decode.engine import DecodeConfig, Drafter, TargetRunner, generate, stop_tokens
 from elsi.decode.tree import TreeConfig
-from elsi.io import write_json
+from elsi.io import ProgressFile, file_sha256
 from elsi.models import DEFAULT_MODEL
 from elsi.runtime import fast_bf16
 from elsi.stats.sampling import mean
@@ -212,67 +211,39 @@ def progress_path(out: str | Path) -> Path:
 
 
 def draft_digest(draft: str) -> str | None:
-    """SHA-256 of a draft directory's weights (its top-level ``*.safetensors``, by name); None for no directory."""
+    """SHA-256 of a draft directory's weights (its top-level ``*.safetensors``: names and their SHA-256); None for
+    no directory."""
     path = Path(draft) if draft else None
     if path is None or not path.is_dir():
         return None
-    h = hashlib.sha256()
-    for f in sorted(path.glob("*.safetensors")):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    files = sorted(path.glob("*.safetensors"))
+    return hashlib.sha256("".join(f"{f.name}:{file_sha256(f)};" for f in files).encode()).hexdigest()
 
 
-class AnswerProgress:
-    """The finished questions of one ``run_bench``, in a JSON file written whole after each question: an
-    interrupted benchmark resumes at the question it was on, with the answers already given kept. Every question
-    draws from its own generator (seed + question id), so the resumed answers are those of an uninterrupted run.
-    The file is taken up only for the same settings, the same draft weights and the same kind of machine
-    (``timing_key``: timings of another machine would mix into the speed-ups); otherwise it starts over, saying
-    why."""
+class AnswerProgress(ProgressFile):
+    """The finished questions of one ``run_bench`` (``ProgressFile``): an interrupted benchmark resumes at the
+    question it was on, with the answers already given kept. Every question draws from its own generator (seed +
+    question id), so the resumed answers are those of an uninterrupted run. The file is taken up only for the same
+    settings, the same draft weights and the same kind of machine (``timing_key``: timings of another machine would
+    mix into the speed-ups)."""
 
     def __init__(self, path: str | Path | None, cfg: BenchConfig) -> None:
-        self.path = Path(path) if path else None
-        self.done: dict[str, list[dict]] = {}
-        if self.path is None:
-            return
-        settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}
-        self.key = json.loads(json.dumps({"settings": settings, "draft_sha256": draft_digest(cfg.draft),
-                                          "timing": timing_key(machine_info())}))
-        if not self.path.is_file():
-            return
-        try:
-            rec = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            rec = None
-        if not isinstance(rec, dict) or not isinstance(rec.get("done"), dict):
-            warnings.warn(f"{self.path} is damaged: the benchmark starts over")
-        elif rec.get("key") != self.key:
-            theirs = rec.get("key") if isinstance(rec.get("key"), dict) else {}
-            diff = [what for k, what in (("settings", "settings"), ("draft_sha256", "draft weights"),
-                                         ("timing", "kind of machine")) if theirs.get(k) != self.key[k]]
-            warnings.warn(f"{self.path} holds answers made with other {' and '.join(diff)}: the benchmark starts "
-                          "over")
-        else:
-            self.done = rec["done"]
+        key = {} if path is None else {  # nothing hashed or probed when nothing is kept
+            "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"},
+            "draft_sha256": draft_digest(cfg.draft), "timing": timing_key(machine_info())}
+        super().__init__(path, key, names={"draft_sha256": "draft weights", "timing": "kind of machine"})
 
     @staticmethod
-    def _id(temperature: float, question_id: int) -> str:
+    def part(temperature: float, question_id: int) -> str:
         return f"{temperature}:{question_id}"
 
     def restore(self, temperature: float, question_id: int) -> list[Answer] | None:
         """A finished question's answers (every method's), or None."""
-        rec = self.done.get(self._id(temperature, question_id))
+        rec = self.get(self.part(temperature, question_id))
         return None if rec is None else [Answer(**a) for a in rec]
 
     def save(self, temperature: float, question_id: int, answers: list[Answer]) -> None:
-        if self.path is None:
-            return
-        self.done[self._id(temperature, question_id)] = [dataclasses.asdict(a) for a in answers]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(self.path, {"key": self.key, "done": self.done})
+        self.put(self.part(temperature, question_id), [dataclasses.asdict(a) for a in answers])
 
 
 def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
@@ -306,7 +277,7 @@ def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
             for n in cfg.tree_nodes:
                 tree = TreeConfig(n, cfg.depth, cfg.top_k)
                 methods.append(("spec", n, engine_method(runner, dcfg, eos, drafter, tree)))
-        to_answer = any(kept.restore(temp, q.question_id) is None for q in questions)
+        to_answer = any(kept.get(kept.part(temp, q.question_id)) is None for q in questions)
         warm = DecodeConfig(min(16, cfg.max_new_tokens), temp, cfg.top_p)
         for _ in range(cfg.warmup if to_answer else 0):  # nothing to warm up for when every question is kept
             for name, n, _m in methods:

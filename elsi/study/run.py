@@ -318,10 +318,11 @@ def baseline_step(run: StudyRun) -> None:
         again = "" if path.name == BASELINE else (f", timed again on this machine ({machine_label(here)}) for "
                                                    f"the drafts benchmarked here ({path})")
         run.say(2, "baseline: plain decoding and transformers generate" + again)
+        progress = progress_path(path)
         res = run_bench(run.target, None, live_bench(run.cfg, run.fcfg.model, baseline=True), on_answer=run.hooks.bench,
-                        progress=progress_path(path))
+                        progress=progress)
         write_json(path, _bench_record(res, set=None, seed=None, draft=None))
-        progress_path(path).unlink(missing_ok=True)
+        progress.unlink(missing_ok=True)
 
 
 def draft_steps(run: StudyRun, store: FeatureStore | None, s: LayerSet, seed: int, first: int) -> tuple[dict, dict]:
@@ -360,14 +361,14 @@ def bench_step(run: StudyRun, s: LayerSet, seed: int, say: Callable[[str], None]
     if _readable(path) is not None:
         say(f"{what} (done: {path})")
     else:
-        going_on = progress_path(path).is_file()
-        say(what + (f" (going on from {progress_path(path)})" if going_on else ""))
+        progress = progress_path(path)
+        say(what + (f" (going on from {progress})" if progress.is_file() else ""))
         out = str(draft_dir(run.study_dir, s, seed))
         drafter, info = load_drafter(out, run.target)
         res = run_bench(run.target, drafter, live_bench(run.cfg, run.fcfg.model, draft=out), on_answer=run.hooks.bench,
-                        progress=progress_path(path))
+                        progress=progress)
         write_json(path, _bench_record(res, set=s.name, seed=seed, draft=info))
-        progress_path(path).unlink(missing_ok=True)
+        progress.unlink(missing_ok=True)
     return read_json(path)
 
 
