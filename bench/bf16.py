@@ -51,8 +51,8 @@ from elsi.draft.forward import target_features
 from elsi.draft.regenerate import regenerate_batch
 from elsi.models.compiled import compiled
 from elsi.models import load_target
+from elsi.runtime import machine_info
 from elsi.stats.entropy import kernel_entropy
-from elsi.specbench.runner import machine_info
 
 
 def _samples(target, n: int, max_tokens: int = 1024) -> list[list[int]]:

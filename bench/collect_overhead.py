@@ -27,7 +27,7 @@ from elsi.collect.collector import _forward, package_versions
 from elsi.collect.grams import block_grams, blocks_of, filter_positions, kept_count, token_entropy
 from elsi.data import iter_tokenized, load_dataset
 from elsi.models import load_target
-from elsi.specbench.runner import machine_info
+from elsi.runtime import machine_info
 
 
 def collect_one(target, ids, rho=0.3, block=32):

@@ -32,7 +32,8 @@ import torch
 
 from elsi.decode import TreeConfig, load_drafter
 from elsi.models import load_target
-from elsi.specbench import BenchConfig, machine_info, run_bench
+from elsi.runtime import machine_info
+from elsi.specbench import BenchConfig, run_bench
 from elsi.specbench.answers import greedy_answers
 from elsi.specbench.exact import exact_tau
 from elsi.specbench.states import AnswerStates

@@ -22,7 +22,7 @@ import torch
 from elsi.decode.engine import SPINE_ROWS, TargetRunner
 from elsi.io import write_json
 from elsi.models import load_target
-from elsi.specbench.runner import machine_info
+from elsi.runtime import machine_info
 
 
 def main() -> int:

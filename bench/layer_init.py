@@ -28,7 +28,7 @@ from elsi.collect.collector import package_versions
 from elsi.draft.cache import FeatureStore
 from elsi.draft.train import TrainConfig, train_draft
 from elsi.models import load_target
-from elsi.specbench.runner import machine_info
+from elsi.runtime import machine_info
 from train_draft import spec_bench  # bench/ is this script's folder, first on sys.path
 
 

@@ -22,7 +22,7 @@ from elsi.data.conversations import iter_tokenized, load_dataset
 from elsi.draft.regenerate import first_prompt_tokens, leaves_room, regenerate_batch, regenerate_sorted
 from elsi.io import write_json
 from elsi.models import load_target
-from elsi.specbench.runner import machine_info
+from elsi.runtime import machine_info
 
 
 def answer_tokens(target, samples) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from elsi.decode.verify import draw
 from elsi.io import write_json
-from elsi.specbench.runner import machine_info
+from elsi.runtime import machine_info
 
 
 def main() -> int:

@@ -22,8 +22,8 @@ import os
 import sys
 import time
 
+from elsi.runtime import machine_info
 from elsi.select import SelectConfig, Selector
-from elsi.specbench.runner import machine_info
 
 
 def timed(fn):

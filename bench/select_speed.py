@@ -27,9 +27,9 @@ from elsi.collect.collector import _forward, package_versions
 from elsi.collect.grams import blocks_of, filter_positions, normalize_blocks, token_entropy
 from elsi.data import load_dataset, tokenize
 from elsi.models import load_target
+from elsi.runtime import machine_info
 from elsi.select import SelectConfig, Selector
 from elsi.stats.entropy import kernel_entropy
-from elsi.specbench.runner import machine_info
 
 
 def timed(fn):

@@ -30,7 +30,8 @@ from elsi.collect.collector import package_versions
 from elsi.decode import TargetRunner, crop_cache, load_drafter
 from elsi.decode.tree import additive_mask
 from elsi.models import load_target
-from elsi.specbench import BenchConfig, machine_info, run_bench, summary_rows
+from elsi.runtime import machine_info
+from elsi.specbench import BenchConfig, run_bench, summary_rows
 from elsi.specbench.runner import Answer, summarize
 
 

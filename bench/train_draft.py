@@ -26,7 +26,7 @@ import torch
 
 from elsi.cli import main as elsi_main
 from elsi.draft.cache import FeatureStore
-from elsi.specbench.runner import machine_info
+from elsi.runtime import machine_info
 
 
 def run(argv: list[str]) -> float:

@@ -25,7 +25,7 @@ from elsi.data.spec_bench import load_questions
 from elsi.decode import stop_tokens
 from elsi.engines.vllm import VllmWorker, iomp_library, preload_env, vllm_method
 from elsi.models import load_target
-from elsi.specbench import machine_info
+from elsi.runtime import machine_info
 from elsi.specbench.runner import answer
 
 

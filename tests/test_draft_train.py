@@ -162,6 +162,9 @@ def test_loss_falls_and_outputs_are_written(target, store, tmp_path):
     rec2 = json.loads((tmp_path / "training.json").read_text())
     assert rec2["heldout"]["depth"] == [1, 2, 3] and 0 <= rec2["heldout"]["match"][0] <= 1
     assert rec2["train_tokens_per_s"] > 0 and rec2["data"]["heldout_samples"] == 4
+    from elsi.runtime import machine_info, timing_key  # where it trained: the study's pace counts it on such machines
+
+    assert timing_key(rec2["machine"]) == timing_key(machine_info()) and rec2["machine"]["cpu"]
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6] and cfg["draft_vocab_size"] == 150
     # The saved draft reproduces the held-out figures.

@@ -226,7 +226,7 @@ def test_speedups_are_against_plain_decoding_timed_on_the_same_machine(tmp_path)
     machine's, never a slower machine's tokens/s over a faster one's; a draft with no baseline of its machine has
     none (its τ stands)."""
     from elsi.io import write_json
-    from elsi.specbench.runner import timing_key
+    from elsi.runtime import timing_key
     from elsi.study.run import baseline_path, baseline_paths
 
     qs = [(1, "mt_bench"), (2, "qa")]
@@ -810,6 +810,13 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     argv = _argv(tiny_dir, tiny_run, tiny_data, out, "--sets", "eagle3", "elsi:2", "--tree-nodes", "2", "4",
                  "--exact-questions-per-subtask", "2", "--bootstrap", "50")
     assert main(argv) == 0
+    # Before each draft but the first, the work left at the pace of the drafts finished (seed-major order: eagle3
+    # s0, elsi:2 s0, eagle3 s1, elsi:2 s1), each of the three parts timed on the drafts before it
+    paced = [line for line in capsys.readouterr().err.splitlines() if "of the drafts' work left" in line]
+    assert len(paced) == 3, paced
+    for line, n in zip(paced, (3, 2, 1)):
+        assert line.startswith("  about ") and all(f"{n} × {part} at ~" in line and f"({4 - n} timed here)" in line
+                                                   for part in ("training", "live benchmark", "exact τ")), line
     plan = json.loads((out / "plan.json").read_text())
     assert plan["settings"]["exact"] == {"questions_per_subtask": 2, "max_new_tokens": 5, "tree_nodes": [2, 4],
                                          "depth": 3, "top_k": 2, "subtasks": SUBTASKS}
@@ -860,7 +867,8 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     monkeypatch.setattr(elsi.study.run, "train_draft", lambda *a, **k: calls.append(a) or {})
     capsys.readouterr()
     assert main(argv) == 0 and calls == []
-    assert "exact τ of eagle3 seed 0 at temperature 0 (done" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "exact τ of eagle3 seed 0 at temperature 0 (done" in err and "work left" not in err  # none left to time
     # A draft whose exact τ was computed on other answers (another machine's) is named in study.md.
     other = out / "exact" / "elsi-2-s1.json"
     rec = json.loads(other.read_text())
@@ -1070,3 +1078,34 @@ def test_study_results_keeps_the_summary_a_study_has_and_never_a_stale_so_far(tm
     left = (dest / "PARTIAL.txt").read_text()
     assert "draft elsi-3-s0: not benchmarked yet" in left and "draft elsi-3-s1: not benchmarked yet" in left
     assert "draft eagle3" not in left
+
+
+# ---------------------------------------------------------------------------------------------
+# The pace of the rest
+
+
+def test_time_left_counts_only_this_machines_finished_records():
+    from elsi.runtime import machine_info
+    from elsi.study.pace import duration, paces, time_left
+
+    here = machine_info()
+    other = {**here, "cpu": "another CPU"}
+    done = {"training": [{"status": "complete", "train_seconds": 600.0, "machine": here},
+                         {"status": "complete", "train_seconds": 900.0, "machine": {**here, "load_average": [9, 9, 9]}},
+                         {"status": "complete", "train_seconds": 100.0, "machine": other},  # timed elsewhere
+                         {"status": "complete", "train_seconds": 100.0},  # older than the machine field
+                         {"status": "running", "train_seconds": 5.0, "machine": here}],
+            "live benchmark": [{"machine": here, "answers": [{"time_s": 400.0}, {"time_s": 600.0}]},
+                               {"machine": here, "answers": [{"time_s": 2000.0}]}],
+            "exact τ": []}
+    assert paces(done, here) == {"training": (750.0, 2), "live benchmark": (1500.0, 2)}
+    # 3 trainings at 750 s and 4 benchmarks at 1,500 s: 8,250 s = 137.5 min; the exact τ has no pace here yet
+    text = time_left({"training": 3, "live benchmark": 4, "exact τ": 2}, done, here)
+    assert text == ("at least 2 h 18 min of the drafts' work left: 3 × training at ~12 min (2 timed here), "
+                    "4 × live benchmark at ~25 min (2 timed here); exact τ not timed here yet (2 left)")
+    assert time_left({"training": 1, "live benchmark": 0, "exact τ": 0}, done, here) == (
+        "about 12 min of the drafts' work left: 1 × training at ~12 min (2 timed here)")
+    assert time_left({"training": 1}, done, {**here, "torch_threads": 99}) == ""  # none timed with those threads
+    assert time_left({"training": 0, "live benchmark": 0}, done, here) == ""  # nothing left
+    assert [duration(s) for s in (0.42, 45, 59.6, 840, 3600 * 9 + 300)] == ["0.4 s", "45 s", "1 min", "14 min",
+                                                                           "9 h 05 min"]

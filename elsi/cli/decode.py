@@ -15,7 +15,8 @@ from elsi.decode import DecodeConfig, TargetRunner, TreeConfig, generate, load_d
 from elsi.decode.drafters import check_draft_spec
 from elsi.engines.vllm import VllmBenchConfig
 from elsi.models import DEFAULT_MODEL, load_target
-from elsi.specbench import BenchConfig, encode_chat, machine_info, run_bench, summary_rows
+from elsi.runtime import machine_info
+from elsi.specbench import BenchConfig, encode_chat, run_bench, summary_rows
 from elsi.specbench.runner import progress_path
 from elsi.text import md_table
 

@@ -48,6 +48,9 @@ class _Bars:
         self.held = None
         tqdm.write(f"step {i}/{n}: {text}", file=sys.stderr)
 
+    def pace(self, text: str) -> None:
+        tqdm.write(f"  {text}", file=sys.stderr)
+
     def features(self, p) -> None:
         if self.bar is None:
             self.bar = tqdm(total=self.fcfg.samples, desc="target features", unit="sample", file=sys.stderr,
@@ -162,7 +165,7 @@ def study(cfg: StudyConfig, fcfg: FeatureConfig, tcfg: TrainConfig, rt: Runtime)
     command = _command()
     try:
         hooks = Hooks(step=bars.step, features=bars.features, train=bars.train, bench=bars.bench, vllm=bars.vllm,
-                      exact=bars.exact)
+                      exact=bars.exact, pace=bars.pace)
         res = run_study(StudyRun(target, plan, cfg, fcfg, tcfg, device, hooks), dataset, command,
                         features_target, str(feature_dtype).removeprefix("torch."))
     finally:

@@ -606,7 +606,8 @@ def _record(run: _Run, data: Split, model: Trainee, state: TrainState) -> dict:
                  "draft_vocab_size": len(data.vocab_ids), "draft_vocab_coverage": data.coverage},
         "steps": state.step,
         "epochs": state.epoch + state.pos / max(1, len(data.train)),
-        "train_seconds": state.elapsed,
+        "train_seconds": state.elapsed,  # over every run of a resumed training
+        "machine": runtime.machine_info(),  # where it finished (``elsi.runtime.timing_key``: whose seconds compare)
         "train_tokens_seen": state.tokens,
         "train_tokens_per_s": state.tokens / max(1e-9, state.elapsed),
         "train_matmul_dtype": model.mm_name,

@@ -4,10 +4,9 @@ from elsi.specbench.runner import (
     Answer,
     BenchConfig,
     encode_chat,
-    machine_info,
     run_bench,
     summarize,
     summary_rows,
 )
 
-__all__ = ["Answer", "BenchConfig", "encode_chat", "machine_info", "run_bench", "summarize", "summary_rows"]
+__all__ = ["Answer", "BenchConfig", "encode_chat", "run_bench", "summarize", "summary_rows"]

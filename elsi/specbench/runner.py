@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +29,7 @@ from elsi.decode.engine import DecodeConfig, Drafter, TargetRunner, generate, st
 from elsi.decode.tree import TreeConfig
 from elsi.io import ProgressFile, file_sha256
 from elsi.models import DEFAULT_MODEL
-from elsi.runtime import fast_bf16
+from elsi.runtime import machine_info, timing_key
 from elsi.stats.sampling import mean
 from elsi.text import num
 
@@ -161,46 +158,6 @@ def answer(method: Method, name: str, q: Question, tokenizer, temperature: float
         for k, v in p.items():
             prof[k] = prof.get(k, 0.0) + v
     return Answer(q.question_id, q.subtask, name, temperature, tree_nodes, new, total, steps, acc, prof)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; elsewhere what ``platform`` knows)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info() -> dict:
-    """The machine a benchmark ran on, with its load average (1, 5, 15 minutes) when the record is made:
-    other jobs on the cores slow every timed figure. ``cpu_bf16``: whether the CPU multiplies bf16 natively
-    (AMX or AVX512-BF16; without, bf16 is emulated and slower than float32), the figures' largest lever."""
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_bf16": fast_bf16(torch.device("cpu"))[1], "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-
-
-TIMING_FIELDS = ("cpu", "cpu_capability", "cpu_count", "torch_threads", "cuda")
-
-
-def timing_key(machine: dict | None) -> str:
-    """What makes two records' timings comparable: ``machine_info``'s hardware and thread count, as one string
-    (records made before a field existed have None there, alike; the load average is not part of it)."""
-    m = machine or {}
-    return json.dumps({k: m.get(k) for k in TIMING_FIELDS}, sort_keys=True)
-
-
-def machine_label(machine: dict | None) -> str:
-    """A machine in words: its GPU or CPU (or processor, in records older than the CPU's name) and threads."""
-    m = machine or {}
-    return f"{m.get('cuda') or m.get('cpu') or m.get('processor') or 'unknown'}, {m.get('torch_threads')} threads"
 
 
 def progress_path(out: str | Path) -> Path:

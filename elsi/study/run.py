@@ -18,7 +18,8 @@ Step by step (STUDY_DIR layout in docs/INTERFACES.md):
 Resumable: a draft whose ``training.json`` says complete and a benchmark file that exists are
 reused; an interrupted draft resumes from its checkpoint; an interrupted live benchmark resumes at the question it
 was on (``<benchmark file>.progress``, ``elsi.specbench.runner.AnswerProgress``); an interrupted exact τ starts over.
-Every file is written whole (temporary file, then rename).
+Every file is written whole (temporary file, then rename). Before each draft with work still to do, ``Hooks.pace``
+hears how long the drafts' work left takes at the pace of what this machine has finished (``elsi.study.pace``).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ from elsi.engines.vllm import VllmBenchConfig, require_float32, run_vllm_bench
 from elsi.io import RunError, read_json, write_json, write_text
 from elsi.models.load import Target
 from elsi.report.study import STUDY_JSON, load_study, study_markdown
-from elsi.specbench.runner import Answer, machine_info, machine_label, progress_path, run_bench, timing_key
+from elsi.specbench.runner import Answer, progress_path, run_bench
 from elsi.study import compat
+from elsi.study.pace import PARTS, time_left
 from elsi.study.plan import PLAN, LayerSet, StudyConfig, StudyPlan, write_plan
 from elsi.study.summary import summarize_study
 
@@ -70,6 +72,7 @@ class Hooks:
     bench: Callable[[Answer, int, int], None] | None = None  # (last answer, questions done, total)
     vllm: Callable[[str, int, int], None] | None = None  # (run, e.g. "vllm_spec k=1", questions done, total)
     exact: Callable[[str, int, int], None] | None = None  # (what, e.g. "exact τ", answer turns done, total)
+    pace: Callable[[str], None] | None = None  # the drafts' work left at this machine's pace (``pace.time_left``)
 
 
 def draft_dir(study_dir: str | Path, s: LayerSet, seed: int) -> Path:
@@ -85,10 +88,10 @@ def baseline_paths(study_dir: str | Path) -> list[Path]:
 def baseline_path(study_dir: str | Path, machine: dict) -> Path:
     """Where the baseline timed on ``machine`` is or goes: the one of the same ``timing_key``; else
     bench/baseline.json when there is none yet, bench/baseline-<id>.json when the study began elsewhere."""
-    key = timing_key(machine)
+    key = runtime.timing_key(machine)
     for p in baseline_paths(study_dir):
         rec = _readable(p)
-        if rec is not None and timing_key(rec.get("machine")) == key:
+        if rec is not None and runtime.timing_key(rec.get("machine")) == key:
             return p
     first = Path(study_dir) / BENCH / BASELINE
     if _readable(first) is None:
@@ -210,7 +213,7 @@ def study_features(target: Target | Callable[[], Target], dataset: Dataset, fc: 
 def _bench_record(res: dict, **extra) -> dict:
     from elsi.collect.collector import package_versions
 
-    return {**extra, "versions": package_versions(), "machine": machine_info(), **res}
+    return {**extra, "versions": package_versions(), "machine": runtime.machine_info(), **res}
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,7 @@ def run_study(run: StudyRun, dataset: Dataset, command: str = "",
     benches: dict[tuple[str, int], dict] = {}
     trained: dict[tuple[str, int], dict] = {}  # each draft's training.json
     for k, (s, seed) in enumerate(plan.seed_major()):
+        tell_pace(run, s, seed)
         benches[(s.name, seed)], trained[(s.name, seed)] = draft_steps(run, store, s, seed, 3 + k * run.per_draft)
     order = [(s.name, seed) for s, seed in plan.drafts]  # the summary reads them set by set
     benches, trained = {k: benches[k] for k in order}, {k: trained[k] for k in order}
@@ -308,14 +312,14 @@ def features_step(run: StudyRun, dataset: Dataset, target: Target | Callable[[],
 def baseline_step(run: StudyRun) -> None:
     """Step 2: plain decoding and transformers generate at the temperatures decoded live, timed once per machine
     (``baseline_path``); nothing when no temperature is decoded live."""
-    here = machine_info()
+    here = runtime.machine_info()
     path = baseline_path(run.study_dir, here)
     if not run.cfg.live_temperatures:
         run.say(2, "baseline: none (no temperature is decoded live, so nothing is timed)")
     elif _readable(path) is not None:
         run.say(2, f"baseline: plain decoding and transformers generate (done: {path})")
     else:
-        again = "" if path.name == BASELINE else (f", timed again on this machine ({machine_label(here)}) for "
+        again = "" if path.name == BASELINE else (f", timed again on this machine ({runtime.machine_label(here)}) for "
                                                    f"the drafts benchmarked here ({path})")
         run.say(2, "baseline: plain decoding and transformers generate" + again)
         progress = progress_path(path)
@@ -323,6 +327,33 @@ def baseline_step(run: StudyRun) -> None:
                         progress=progress)
         write_json(path, _bench_record(res, set=None, seed=None, draft=None))
         progress.unlink(missing_ok=True)
+
+
+def draft_work(run: StudyRun, s: LayerSet, seed: int) -> dict[str, dict | None]:
+    """The parts of a draft's work this study does (``pace.PARTS``), each with its finished record, or None while
+    it is still to do."""
+    d, exact = run.study_dir, run.cfg.exact_settings()
+    trained = _readable(draft_dir(d, s, seed) / TRAINING)
+    work = {"training": trained if trained is not None and trained.get("status") == "complete" else None}
+    if run.cfg.live_temperatures and seed in run.plan.live_seeds[s.name]:
+        work["live benchmark"] = _readable(bench_path(d, s, seed))
+    if exact:
+        rec = _readable(exact_path(d, s, seed))
+        work["exact τ"] = rec if rec is not None and rec.get("study_settings") == exact else None
+    return work
+
+
+def tell_pace(run: StudyRun, s: LayerSet, seed: int) -> None:
+    """Before a draft's steps, when some of its work is still to do: the drafts' work left, at the pace of what this
+    machine has finished (``pace.time_left``), to ``run.hooks.pace``; nothing before an estimate can be made."""
+    if run.hooks.pace is None or all(r is not None for r in draft_work(run, s, seed).values()):
+        return
+    work = [draft_work(run, t, sd) for t, sd in run.plan.drafts]
+    left = {p: sum(p in w and w[p] is None for w in work) for p in PARTS}
+    done = {p: [w[p] for w in work if w.get(p) is not None] for p in PARTS}
+    text = time_left(left, done, runtime.machine_info())
+    if text:
+        run.hooks.pace(text)
 
 
 def draft_steps(run: StudyRun, store: FeatureStore | None, s: LayerSet, seed: int, first: int) -> tuple[dict, dict]:

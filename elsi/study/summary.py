@@ -11,7 +11,7 @@ Definitions (docs/design.md, "Speculative decoding"):
 - Δ% vs eagle3 (eagle2) = 100 (τ_set / τ_eagle3 - 1), on τ all.
 - Speed-up vs plain of an answer = its tokens/s over the tokens/s of the study's plain answer
   to the same question at the same temperature, timed on the same machine (``bench/baseline.json``,
-  one more per machine a study went on on; ``elsi.specbench.runner.timing_key``); mean over answers.
+  one more per machine a study went on on; ``elsi.runtime.timing_key``); mean over answers.
   A draft benchmarked where no baseline was timed has none (its τ stands: τ does not depend on speed).
 - Spearman's ρ between set entropy and τ all, across sets (average ranks for ties).
 - Bootstrap: the Spec-Bench questions are resampled with replacement (``bootstrap`` times,
@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from elsi.specbench.runner import machine_label, timing_key
+from elsi.runtime import machine_label, timing_key
 from elsi.stats.sampling import interval, mean, pooled_tau, resample_weights, spearman
 from elsi.study.plan import StudyPlan, live_temperatures
 from elsi.text import layer_list, num
