@@ -812,8 +812,10 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     assert main(argv) == 0
     # Before each draft but the first, the work left at the pace of the drafts finished (seed-major order: eagle3
     # s0, elsi:2 s0, eagle3 s1, elsi:2 s1), each of the three parts timed on the drafts before it
-    paced = [line for line in capsys.readouterr().err.splitlines() if "of the drafts' work left" in line]
+    err = capsys.readouterr().err.splitlines()
+    paced = [line for line in err if "of the drafts' work left" in line]
     assert len(paced) == 3, paced
+    assert re.search(r"^step \d+/\d+: training elsi:2 \[.*\] seed 0$", err[err.index(paced[0]) - 1])  # under its step
     for line, n in zip(paced, (3, 2, 1)):
         assert line.startswith("  about ") and all(f"{n} × {part} at ~" in line and f"({4 - n} timed here)" in line
                                                    for part in ("training", "live benchmark", "exact τ")), line

@@ -285,7 +285,6 @@ def run_study(run: StudyRun, dataset: Dataset, command: str = "",
     benches: dict[tuple[str, int], dict] = {}
     trained: dict[tuple[str, int], dict] = {}  # each draft's training.json
     for k, (s, seed) in enumerate(plan.seed_major()):
-        tell_pace(run, s, seed)
         benches[(s.name, seed)], trained[(s.name, seed)] = draft_steps(run, store, s, seed, 3 + k * run.per_draft)
     order = [(s.name, seed) for s, seed in plan.drafts]  # the summary reads them set by set
     benches, trained = {k: benches[k] for k in order}, {k: trained[k] for k in order}
@@ -344,7 +343,7 @@ def draft_work(run: StudyRun, s: LayerSet, seed: int) -> dict[str, dict | None]:
 
 
 def tell_pace(run: StudyRun, s: LayerSet, seed: int) -> None:
-    """Before a draft's steps, when some of its work is still to do: the drafts' work left, at the pace of what this
+    """As a draft's steps begin, when some of its work is still to do: the drafts' work left, at the pace of what this
     machine has finished (``pace.time_left``), to ``run.hooks.pace``; nothing before an estimate can be made."""
     if run.hooks.pace is None or all(r is not None for r in draft_work(run, s, seed).values()):
         return
@@ -363,9 +362,11 @@ def draft_steps(run: StudyRun, store: FeatureStore | None, s: LayerSet, seed: in
     what = f"{s.name} {list(s.layers)} seed {seed}"
     if draft_complete(out):
         run.say(first, f"training {what} (done: {out})")
+        tell_pace(run, s, seed)
     else:
         assert store is not None, "features_step builds the features whenever a draft is not trained"
         run.say(first, f"training {what}")
+        tell_pace(run, s, seed)
         t = replace(run.tcfg, layers=",".join(map(str, s.layers)), out=str(out), time_budget=run.cfg.train_budget,
                     restart=False)
         train_draft(run.target, store, t, seed, run.device, samples=run.fcfg.samples, on_progress=run.hooks.train)
