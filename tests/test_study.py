@@ -887,7 +887,13 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     assert main(["study", "--out", str(out), "--so-far", "--bootstrap", "50"]) == 0 and calls == []
     assert (out / "study.json").read_text() == before
     so = json.loads((out / "so-far.json").read_text())
-    assert so["so_far"] == {"finished": 3, "planned": 4, "left": ["elsi:2 s1"]}
+    from elsi.runtime import machine_label
+    from elsi.study.pace import duration
+
+    ran = [json.loads(p.read_text()) for p in sorted((out / "exact").glob("*.json"))]  # the 3 exact τ left here
+    took = duration(sum(r["seconds"] for r in ran) / 3)
+    assert so["so_far"] == {"finished": 3, "planned": 4, "left": ["elsi:2 s1"], "time_left": (
+        f"about {took} of the drafts' work left: 1 × exact τ at ~{took} (3 timed there)")}
     for cond, full in zip(so["conditions"], study["conditions"]):
         rows = {r["name"]: r for r in cond["sets"]}
         ref = {r["name"]: r for r in full["sets"]}
@@ -898,6 +904,7 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     assert md.startswith("# Layer-set study") and "**So far: 3 of the 4 planned drafts are finished**" in md
     assert "over 1 paired seed and the questions" in md  # elsi:2 has seed 0 only
     assert "Not finished yet: elsi:2 s1." in md
+    assert f"At the pace of the machine it last ran on ({machine_label(ran[-1]['machine'])}): about {took} " in md
     other.with_suffix(".away").rename(other)
     assert main(["study", "--out", str(tmp_path / "nothing"), "--so-far"]) == 2
     assert "no plan.json, so no study to summarize" in capsys.readouterr().err

@@ -122,7 +122,8 @@ def so_far(cfg: StudyConfig) -> int:
     command = _command()
     res = summary_so_far(cfg.out, cfg.bootstrap, command)
     done = res["so_far"]
-    print(f"{cfg.out}: {done['finished']} of {done['planned']} drafts finished")
+    print(f"{cfg.out}: {done['finished']} of {done['planned']} drafts finished"
+          + (f"; at the pace of the machine it last ran on, {done['time_left']}" if done.get("time_left") else ""))
     pooled = claims_condition(res)
     print(f"{pooled['label']}:")
     print(md_table(*condition_table(pooled, res["subtasks"])))

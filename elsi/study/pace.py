@@ -53,11 +53,13 @@ def duration(seconds: float) -> str:
     return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
-def time_left(left: Mapping[str, int], done: Mapping[str, Iterable[dict | None]], machine: dict) -> str:
+def time_left(left: Mapping[str, int], done: Mapping[str, Iterable[dict | None]], machine: dict,
+              where: str = "here") -> str:
     """The rest of the drafts' work in words -> "" when none is left or no part has a pace here yet.
 
     ``left``: per part, how many drafts still need it (the one under way included); ``done``: per part, the
-    records finished so far (``record_seconds``); ``machine``: this one (``elsi.runtime.machine_info``).
+    records finished so far (``record_seconds``); ``machine``: the one whose pace counts (``elsi.runtime.machine_info``),
+    named ``where`` in the text.
     """
     todo = {p: n for p, n in left.items() if n}
     pace = paces(done, machine)
@@ -65,9 +67,9 @@ def time_left(left: Mapping[str, int], done: Mapping[str, Iterable[dict | None]]
     if not known:
         return ""
     total = sum(todo[p] * pace[p][0] for p in known)
-    each = ", ".join(f"{todo[p]} × {p} at ~{duration(pace[p][0])} ({pace[p][1]} timed here)" for p in known)
+    each = ", ".join(f"{todo[p]} × {p} at ~{duration(pace[p][0])} ({pace[p][1]} timed {where})" for p in known)
     unknown = [p for p in PARTS if p in todo and p not in pace]
     if unknown:
         return (f"at least {duration(total)} of the drafts' work left: {each}; "
-                f"{' and '.join(unknown)} not timed here yet ({', '.join(str(todo[p]) for p in unknown)} left)")
+                f"{' and '.join(unknown)} not timed {where} yet ({', '.join(str(todo[p]) for p in unknown)} left)")
     return f"about {duration(total)} of the drafts' work left: {each}"

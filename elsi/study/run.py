@@ -328,29 +328,45 @@ def baseline_step(run: StudyRun) -> None:
         progress.unlink(missing_ok=True)
 
 
-def draft_work(run: StudyRun, s: LayerSet, seed: int) -> dict[str, dict | None]:
-    """The parts of a draft's work this study does (``pace.PARTS``), each with its finished record, or None while
-    it is still to do."""
-    d, exact = run.study_dir, run.cfg.exact_settings()
-    trained = _readable(draft_dir(d, s, seed) / TRAINING)
+def draft_work(study_dir: str | Path, plan: StudyPlan, s: LayerSet, seed: int,
+               read: Callable[[Path], dict | None] | None = None) -> dict[str, dict | None]:
+    """The parts of a draft's work ``plan`` asks for (``pace.PARTS``: its training, its live benchmark where it
+    decodes that seed live, its exact τ where it has one), each with its finished record in ``study_dir``, or None
+    while it is still to do. ``read``: a record file, or None (default: missing or damaged, with a warning)."""
+    read = read or _readable
+    trained = read(draft_dir(study_dir, s, seed) / TRAINING)
     work = {"training": trained if trained is not None and trained.get("status") == "complete" else None}
-    if run.cfg.live_temperatures and seed in run.plan.live_seeds[s.name]:
-        work["live benchmark"] = _readable(bench_path(d, s, seed))
-    if exact:
-        rec = _readable(exact_path(d, s, seed))
-        work["exact τ"] = rec if rec is not None and rec.get("study_settings") == exact else None
+    if seed in plan.live_seeds[s.name]:
+        work["live benchmark"] = read(bench_path(study_dir, s, seed))
+    if plan.exact:
+        rec = read(exact_path(study_dir, s, seed))
+        work["exact τ"] = rec if rec is not None and rec.get("study_settings") == plan.exact else None
     return work
 
 
+def study_time_left(works: list[dict[str, dict | None]], machine: dict | None = None,
+                    where: str = "here") -> tuple[str, dict | None]:
+    """The drafts' work left (``works``: every draft's ``draft_work``, in the order the study does them) at the pace
+    of what ``machine`` has finished (``pace.time_left``; default: the machine of the last finished record that names
+    one, the machine the study last ran on) -> (the estimate, "" when none is left or nothing was timed there yet;
+    the machine)."""
+    if machine is None:
+        named = [r["machine"] for w in works for r in w.values() if r is not None and r.get("machine")]
+        machine = named[-1] if named else None
+    if machine is None:
+        return "", None
+    left = {p: sum(p in w and w[p] is None for w in works) for p in PARTS}
+    done = {p: [w[p] for w in works if w.get(p) is not None] for p in PARTS}
+    return time_left(left, done, machine, where), machine
+
+
 def tell_pace(run: StudyRun, s: LayerSet, seed: int) -> None:
-    """As a draft's steps begin, when some of its work is still to do: the drafts' work left, at the pace of what this
-    machine has finished (``pace.time_left``), to ``run.hooks.pace``; nothing before an estimate can be made."""
-    if run.hooks.pace is None or all(r is not None for r in draft_work(run, s, seed).values()):
+    """As a draft's steps begin, when some of its work is still to do: the drafts' work left at this machine's pace
+    (``study_time_left``) to ``run.hooks.pace``; nothing before an estimate can be made."""
+    d, plan = run.study_dir, run.plan
+    if run.hooks.pace is None or all(r is not None for r in draft_work(d, plan, s, seed).values()):
         return
-    work = [draft_work(run, t, sd) for t, sd in run.plan.drafts]
-    left = {p: sum(p in w and w[p] is None for w in work) for p in PARTS}
-    done = {p: [w[p] for w in work if w.get(p) is not None] for p in PARTS}
-    text = time_left(left, done, runtime.machine_info())
+    text, _ = study_time_left([draft_work(d, plan, t, sd) for t, sd in plan.seed_major()], runtime.machine_info())
     if text:
         run.hooks.pace(text)
 
@@ -509,4 +525,5 @@ def write_summary(study_dir: str | Path, plan: StudyPlan, benches: dict, baselin
 
 __all__ = ["BASELINE", "BENCH", "DRAFTS", "STUDY_JSON", "STUDY_MD", "Hooks", "StudyRun", "baseline_path",
            "baseline_paths", "bench_path", "check_live_weights", "check_precision", "clear_study", "draft_dir",
-           "draft_complete", "exact_path", "feature_config", "load_study", "prepare_study", "run_study", "with_exact", "write_summary"]
+           "draft_complete", "draft_work", "exact_path", "feature_config", "load_study", "prepare_study", "run_study",
+           "study_time_left", "with_exact", "write_summary"]

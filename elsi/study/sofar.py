@@ -4,7 +4,8 @@ A powered study takes days of CPU; its verdict should not wait for the last draf
 reads what a running study has already written whole (plan.json, each finished draft's training.json and
 its exact τ or live benchmark: the records ``bench/study_results.sh`` keeps) and writes ``so-far.json``
 and ``so-far.md`` beside them: the same summary ``study.json`` will be, over the finished drafts only,
-each set with the seeds it has (Δ% intervals pair the seeds both sets have). Nothing is trained,
+each set with the seeds it has (Δ% intervals pair the seeds both sets have), and how long the drafts' work left
+takes at the pace of the machine it last ran on (``elsi.study.pace``). Nothing is trained,
 benchmarked or loaded, and the running study never writes these two files, so it can run beside it.
 """
 
@@ -13,11 +14,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from elsi.draft.checkpoint import TRAINING
 from elsi.io import RunError, read_json, write_json, write_text
 from elsi.report.study import study_markdown
+from elsi.runtime import machine_label
 from elsi.study.plan import PLAN, StudyPlan, load_plan
-from elsi.study.run import baseline_paths, bench_path, draft_complete, draft_dir, exact_path, with_exact
+from elsi.study.run import baseline_paths, draft_work, study_time_left, with_exact
 from elsi.study.summary import summarize_study
 
 SO_FAR_JSON = "so-far.json"
@@ -39,22 +40,14 @@ def finished_drafts(study_dir: str | Path, plan: StudyPlan) -> tuple[dict, dict]
     order."""
     benches: dict[tuple[str, int], dict] = {}
     trained: dict[tuple[str, int], dict] = {}
-    live = plan.live_seeds
     for s, seed in plan.drafts:
-        out = draft_dir(study_dir, s, seed)
-        if not draft_complete(out):
+        work = draft_work(study_dir, plan, s, seed, read=_record)
+        if any(r is None for r in work.values()):
             continue
-        rec = {"answers": []}
-        if seed in live[s.name]:
-            rec = _record(bench_path(study_dir, s, seed))
-            if rec is None:
-                continue
-        if plan.exact:
-            exact = _record(exact_path(study_dir, s, seed))
-            if exact is None or exact.get("study_settings") != plan.exact:
-                continue
-            rec = with_exact(rec, exact)
-        benches[(s.name, seed)], trained[(s.name, seed)] = rec, read_json(out / TRAINING)
+        rec = work.get("live benchmark", {"answers": []})
+        if "exact τ" in work:
+            rec = with_exact(rec, work["exact τ"])
+        benches[(s.name, seed)], trained[(s.name, seed)] = rec, work["training"]
     return benches, trained
 
 
@@ -73,14 +66,17 @@ def summary_so_far(study_dir: str | Path, bootstrap: int = 1000, command: str = 
     part = replace(plan, sets=[s for s in plan.sets if seeds[s.name]],
                    draft_seeds={name: v for name, v in seeds.items() if v})
     left = [f"{s.name} s{seed}" for s, seed in plan.seed_major() if (s.name, seed) not in benches]
+    works = [draft_work(study_dir, plan, s, seed, read=_record) for s, seed in plan.seed_major()]
+    pace, machine = study_time_left(works, where="there")  # at the pace of the machine the study last ran on
     study = {"command": command, **summarize_study(part, benches, [read_json(p) for p in baseline_paths(study_dir)],
                                                    bootstrap, trained=trained),
-             "so_far": {"finished": len(benches), "planned": len(plan.drafts), "left": left}}
+             "so_far": {"finished": len(benches), "planned": len(plan.drafts), "left": left, "time_left": pace}}
     write_json(study_dir / SO_FAR_JSON, study)
     title, _, rest = study_markdown(study).partition("\n")
     head = (f"**So far: {len(benches)} of the {len(plan.drafts)} planned drafts are finished**; every figure below is "
             f"of those alone, each set over the seeds it has (Δ% intervals pair the seeds both sets have)."
-            + (f" Not finished yet: {', '.join(left)}." if left else " The study's own summary is study.md."))
+            + (f" Not finished yet: {', '.join(left)}." if left else " The study's own summary is study.md.")
+            + (f" At the pace of the machine it last ran on ({machine_label(machine)}): {pace}." if pace else ""))
     write_text(study_dir / SO_FAR_MD, f"{title} (so far)\n\n{head}\n{rest}")
     return study
 
