@@ -1108,6 +1108,8 @@ def test_time_left_counts_only_this_machines_finished_records():
                                {"machine": here, "answers": [{"time_s": 2000.0}]}],
             "exact τ": []}
     assert paces(done, here) == {"training": (750.0, 2), "live benchmark": (1500.0, 2)}
+    stopped = {**done, "training": done["training"] + [{"status": "complete", "train_seconds": 9000.0, "machine": here}]}
+    assert paces(stopped, here)["training"] == (900.0, 3)  # the median: one draft stopped for hours moves it little
     # 3 trainings at 750 s and 4 benchmarks at 1,500 s: 8,250 s = 137.5 min; the exact τ has no pace here yet
     text = time_left({"training": 3, "live benchmark": 4, "exact τ": 2}, done, here)
     assert text == ("at least 2 h 18 min of the drafts' work left: 3 × training at ~12 min (2 timed here), "

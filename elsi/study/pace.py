@@ -2,14 +2,17 @@
 
 A draft's work is up to three parts (``PARTS``): its training (``training.json``: ``train_seconds``), its live
 benchmark (its answers' ``time_s``, summed) and its exact τ (``exact/<draft>.json``: ``seconds``). Each part's pace
-is the mean of its finished records made on a machine whose timings compare with this one's
-(``elsi.runtime.timing_key``); records from elsewhere, or older than their ``machine`` field, are not counted. The
+is the median of its finished records made on a machine whose timings compare with this one's
+(``elsi.runtime.timing_key``; the median, so that one draft slowed by other jobs on the cores, or stopped for a
+while, does not set the pace of all); records from elsewhere, or older than their ``machine`` field, are not
+counted. The
 estimate is the parts still to do, each at its pace: the work a part has already done before an interruption is
 counted again, and the steps outside the drafts (the features, the baseline, vLLM) are not counted at all.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Mapping
 
 from elsi.runtime import timing_key
@@ -32,14 +35,14 @@ def record_seconds(part: str, rec: dict | None) -> float | None:
 
 
 def paces(done: Mapping[str, Iterable[dict | None]], machine: dict) -> dict[str, tuple[float, int]]:
-    """Per part, (mean seconds, how many records) over ``done[part]``'s finished records timed on a machine like
+    """Per part, (median seconds, how many records) over ``done[part]``'s finished records timed on a machine like
     ``machine``; a part without any is left out."""
     key, out = timing_key(machine), {}
     for part, recs in done.items():
         secs = [s for r in recs if r and r.get("machine") and timing_key(r["machine"]) == key
                 and (s := record_seconds(part, r)) is not None]
         if secs:
-            out[part] = (sum(secs) / len(secs), len(secs))
+            out[part] = (statistics.median(secs), len(secs))
     return out
 
 
