@@ -49,9 +49,10 @@ def cpu_name() -> str:
 
 
 def machine_info() -> dict:
-    """The machine a benchmark ran on, with its load average (1, 5, 15 minutes) when the record is made:
-    other jobs on the cores slow every timed figure. ``cpu_bf16``: whether the CPU multiplies bf16 natively
-    (AMX or AVX512-BF16; without, bf16 is emulated and slower than float32), the figures' largest lever."""
+    """The machine a record was made on (a benchmark, a draft's training), with its load average (1, 5, 15 minutes)
+    when the record is made: other jobs on the cores slow every timed figure. ``cpu_bf16``: whether the CPU
+    multiplies bf16 natively (AMX or AVX512-BF16; without, bf16 is emulated and slower than float32), the figures'
+    largest lever."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_bf16": fast_bf16(torch.device("cpu"))[1], "cpu_count": os.cpu_count(),

@@ -5,9 +5,8 @@ benchmark (its answers' ``time_s``, summed) and its exact τ (``exact/<draft>.js
 is the median of its finished records made on a machine whose timings compare with this one's
 (``elsi.runtime.timing_key``; the median, so that one draft slowed by other jobs on the cores, or stopped for a
 while, does not set the pace of all); records from elsewhere, or older than their ``machine`` field, are not
-counted. The
-estimate is the parts still to do, each at its pace: the work a part has already done before an interruption is
-counted again, and the steps outside the drafts (the features, the baseline, vLLM) are not counted at all.
+counted. The estimate is the parts still to do, each at its pace: the work a part has already done before an
+interruption is counted again, and the steps outside the drafts (the features, the baseline, vLLM) are not counted.
 """
 
 from __future__ import annotations
@@ -61,8 +60,8 @@ def time_left(left: Mapping[str, int], done: Mapping[str, Iterable[dict | None]]
     """The rest of the drafts' work in words -> "" when none is left or no part has a pace here yet.
 
     ``left``: per part, how many drafts still need it (the one under way included); ``done``: per part, the
-    records finished so far (``record_seconds``); ``machine``: the one whose pace counts (``elsi.runtime.machine_info``),
-    named ``where`` in the text.
+    records finished so far (``record_seconds``); ``machine``: the one whose pace counts
+    (``elsi.runtime.machine_info``), named ``where`` in the text.
     """
     todo = {p: n for p, n in left.items() if n}
     pace = paces(done, machine)

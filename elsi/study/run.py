@@ -318,8 +318,8 @@ def baseline_step(run: StudyRun) -> None:
     elif _readable(path) is not None:
         run.say(2, f"baseline: plain decoding and transformers generate (done: {path})")
     else:
-        again = "" if path.name == BASELINE else (f", timed again on this machine ({runtime.machine_label(here)}) for "
-                                                   f"the drafts benchmarked here ({path})")
+        again = "" if path.name == BASELINE else (
+            f", timed again on this machine ({runtime.machine_label(here)}) for the drafts benchmarked here ({path})")
         run.say(2, "baseline: plain decoding and transformers generate" + again)
         progress = progress_path(path)
         res = run_bench(run.target, None, live_bench(run.cfg, run.fcfg.model, baseline=True), on_answer=run.hooks.bench,
@@ -363,10 +363,13 @@ def study_time_left(works: list[dict[str, dict | None]], machine: dict | None = 
 def tell_pace(run: StudyRun, s: LayerSet, seed: int) -> None:
     """As a draft's steps begin, when some of its work is still to do: the drafts' work left at this machine's pace
     (``study_time_left``) to ``run.hooks.pace``; nothing before an estimate can be made."""
-    d, plan = run.study_dir, run.plan
-    if run.hooks.pace is None or all(r is not None for r in draft_work(d, plan, s, seed).values()):
+    if run.hooks.pace is None:
         return
-    text, _ = study_time_left([draft_work(d, plan, t, sd) for t, sd in plan.seed_major()], runtime.machine_info())
+    order = run.plan.seed_major()
+    works = [draft_work(run.study_dir, run.plan, t, sd) for t, sd in order]
+    if all(r is not None for r in works[order.index((s, seed))].values()):
+        return
+    text, _ = study_time_left(works, runtime.machine_info())
     if text:
         run.hooks.pace(text)
 
