@@ -133,3 +133,26 @@ def test_scores_are_cumulative_log_probs():
         par = int(t.parents[i])
         expect = float(lp[int(t.tokens[par]), int(t.tokens[i])]) + float(t.scores[par])
         assert math.isclose(float(t.scores[i]), expect, rel_tol=1e-5, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("tree_nodes", [1, 2, 3, 5])
+def test_trees_smaller_than_their_depth_skip_the_passes_that_could_not_be_kept(tree_nodes):
+    """A tree of N < depth nodes equals the full expansion's rerank (ties included) with N - 1 draft passes."""
+    g = torch.Generator().manual_seed(tree_nodes)
+    v, k, depth = 12, 3, 6
+    table = (torch.randn(v, v, generator=g) * 2).round()  # integer logits: ties in the cumulative scores
+    table[:, 5] = 30.0  # a near-certain next token: scores that stay level (log-prob 0.0 in float32) along a path
+    capped_calls, full_calls = [], []
+    cfg = TreeConfig(tree_nodes=tree_nodes, depth=depth, top_k=k)
+    capped = build_tree(0, table[0], _table_expand(table, capped_calls), cfg)
+    # The reference: the whole depth expanded, reranked to N nodes (the same candidates and stable rerank).
+    wide = build_tree(0, table[0], _table_expand(table, full_calls), TreeConfig(tree_nodes=k ** 2 * depth,
+                                                                                 depth=depth, top_k=k))
+    order = torch.sort(wide.scores[1:], descending=True, stable=True).indices[:tree_nodes] + 1
+    keep = torch.cat([torch.zeros(1, dtype=torch.long), order.sort().values])
+    assert len(full_calls) == depth - 1 and len(capped_calls) == tree_nodes - 1
+    assert capped.tokens.tolist() == wide.tokens[keep].tolist()
+    assert capped.depth.tolist() == wide.depth[keep].tolist()
+    assert torch.equal(capped.scores, wide.scores[keep])
+    node_of = {int(c): i for i, c in enumerate(keep)}
+    assert capped.parents.tolist() == [-1] + [node_of[int(wide.parents[c])] for c in keep[1:]]

@@ -80,10 +80,13 @@ def build_tree(root: int, root_logits: torch.Tensor, expand: ExpandFn, cfg: Tree
     ``token_ids`` (V_d,): the target token of each draft-vocabulary column (None: identity),
     so the top-k runs over the draft's own, smaller vocabulary. ``max_depth`` caps
     ``cfg.depth`` (e.g. near the end of ``max_new_tokens``); 0 gives a root-only tree.
-    Calls ``expand`` ``depth - 1`` times with at most ``top_k`` rows each.
+    Calls ``expand`` ``depth - 1`` times with at most ``top_k`` rows each, where depth is also capped at
+    ``cfg.tree_nodes``: a node deeper than that has at least ``tree_nodes`` ancestors that rank before it (scores
+    never rise along a path, ties keep parents first), so the rerank could never keep it. A one-node tree (one
+    drafted token a step) therefore costs no draft pass beyond the root's, the same tree as a full expansion's.
     """
     device = root_logits.device
-    depth = cfg.depth if max_depth is None else min(cfg.depth, max_depth)
+    depth = min(cfg.depth, cfg.tree_nodes) if max_depth is None else min(cfg.depth, cfg.tree_nodes, max_depth)
     if depth <= 0:
         return root_only(root, device)
     k = min(cfg.top_k, root_logits.shape[-1])
