@@ -86,7 +86,9 @@ def build_tree(root: int, root_logits: torch.Tensor, expand: ExpandFn, cfg: Tree
     drafted token a step) therefore costs no draft pass beyond the root's, the same tree as a full expansion's.
     """
     device = root_logits.device
-    depth = min(cfg.depth, cfg.tree_nodes) if max_depth is None else min(cfg.depth, cfg.tree_nodes, max_depth)
+    depth = min(cfg.depth, cfg.tree_nodes)
+    if max_depth is not None:
+        depth = min(depth, max_depth)
     if depth <= 0:
         return root_only(root, device)
     k = min(cfg.top_k, root_logits.shape[-1])
