@@ -70,7 +70,8 @@ def test_replay_equals_live_on_a_tiny_target(tiny_target):
     gen = torch.Generator().manual_seed(0)
     vocab = int(tiny_target.model.config.vocab_size)
     prompts = [torch.randint(3, vocab, (k,), generator=gen).tolist() for k in (5, 17, 40)]
-    trees = TREES + [TreeConfig(4, 3, 2), TreeConfig(1, 6, 10)]
+    # (2, 5, 4) and (1, 4, 10) are alone in their (depth, top_k) groups: expanded only as deep as they keep
+    trees = TREES + [TreeConfig(4, 3, 2), TreeConfig(1, 6, 10), TreeConfig(2, 5, 4), TreeConfig(1, 4, 10)]
     accepted = steps = 0
     for t, live, walk, _ in live_and_replayed(tiny_target, draft, prompts, trees, max_new=24):
         assert live == walk, t

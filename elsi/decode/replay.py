@@ -114,13 +114,17 @@ def replay_answer(draft, features: torch.Tensor, tokens: Sequence[int], prompt_l
     for (depth, top_k), members in groups.items():
         # A root whose next greedy token is not among its depth-1 candidates accepts no draft in any tree.
         live = _first_hit(draft, root_logits, ahead[:, 0], top_k).nonzero().flatten()  # (R_live,)
+        # A candidate at depth d has d - 1 ancestors ranked before it, so a tree of n nodes keeps none
+        # deeper than n (build_tree's cap): the group expands only as deep as its largest tree can keep.
+        reach = {i: min(trees[i].depth, trees[i].tree_nodes) for i in members}
+        expand = max(reach.values())
         for a in range(0, live.numel(), chunk):
             sl = live[a: a + chunk]
             # Steps 2-3: the candidates of build_tree for these roots.
-            cand = _candidates(draft, cache, root_logits[sl], root_hidden[sl], roots[sl], depth, top_k)
+            cand = _candidates(draft, cache, root_logits[sl], root_hidden[sl], roots[sl], expand, top_k)
             for i in members:
-                t = trees[i]
-                acc = _accept(cand, t.tree_nodes, torch.clamp(cap[sl], max=t.depth), ahead[sl, : t.depth])
+                d = reach[i]
+                acc = _accept(cand, trees[i].tree_nodes, torch.clamp(cap[sl], max=d), ahead[sl, :d])
                 results[i, sl.cpu()] = acc.cpu()
     results = torch.minimum(results, remaining.cpu())  # Step 4, cut at the answer's end
     return [Replay(t, results[i].tolist()) for i, t in enumerate(trees)]
