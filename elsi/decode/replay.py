@@ -15,8 +15,9 @@ At temperature 0 a step of ``elsi.decode.engine.generate`` with root at sequence
 So given the target's greedy answer (prompt + answer tokens) and its states at the draft's
 layers from one forward over them, the accepted length at *every* root position follows
 from one teacher-forced draft pass plus ``depth - 1`` batched expansions, computed here for
-many roots at once. Every tree shape with the same ``(depth, top_k)`` shares the expansions
-(the frontier does not depend on ``tree_nodes``); only the rerank differs.
+many roots at once. Every tree shape with the same ``top_k`` shares the expansions (the frontier
+depends neither on ``tree_nodes`` nor on how much deeper the expansion goes), made as deep as the
+deepest of them can keep (``TreeConfig.kept_depth``); only the rerank's depth limit and size differ.
 
 The numbers equal the live engine's step for step up to float rounding (batched products round
 differently), which can flip a near tie between two candidates; tests/test_exact_tau.py
@@ -99,7 +100,7 @@ def replay_answer(draft, features: torch.Tensor, tokens: Sequence[int], prompt_l
     # Step 1: one teacher-forced draft pass.
     cache, roots, root_logits, root_hidden = teacher_forced(draft, features, ids, P)
     # Tokens the walk may accept after root r: x_{r+1} .. x_{r+depth}, -1 past the answer's end.
-    deepest = max(t.depth for t in trees)
+    deepest = max(t.kept_depth for t in trees)
     ahead = torch.full((A - 1, deepest), -1, dtype=torch.long, device=device)  # (A-1, depth)
     for j in range(1, deepest + 1):
         n = max(0, min(A - 1, L - j - P))
@@ -107,24 +108,23 @@ def replay_answer(draft, features: torch.Tensor, tokens: Sequence[int], prompt_l
     remaining = (L - 1 - roots)  # (A-1,) answer tokens after each root
     # The engine's depth cap: max_new_tokens - len(new) - 1, len(new) = r - P + 1 at root r.
     cap = max_new_tokens - (roots - P + 1) - 1  # (A-1,)
-    groups: dict[tuple[int, int], list[int]] = {}  # (depth, top_k) -> indices of the trees that share expansions
+    # The candidates down to depth d do not depend on how much deeper the expansion goes, so the trees of one
+    # top_k share one expansion, as deep as the deepest of them can keep (TreeConfig.kept_depth).
+    groups: dict[int, list[int]] = {}  # top_k -> indices of the trees that share expansions
     for i, t in enumerate(trees):
-        groups.setdefault((t.depth, t.top_k), []).append(i)
+        groups.setdefault(t.top_k, []).append(i)
     results = torch.ones(len(trees), A - 1, dtype=torch.long)  # (trees, A-1); a root no tree can extend adds 1
-    for (depth, top_k), members in groups.items():
+    for top_k, members in groups.items():
         # A root whose next greedy token is not among its depth-1 candidates accepts no draft in any tree.
         live = _first_hit(draft, root_logits, ahead[:, 0], top_k).nonzero().flatten()  # (R_live,)
-        # A candidate at depth d has d - 1 ancestors ranked before it, so a tree of n nodes keeps none
-        # deeper than n (build_tree's cap): the group expands only as deep as its largest tree can keep.
-        reach = {i: min(trees[i].depth, trees[i].tree_nodes) for i in members}
-        expand = max(reach.values())
+        depth = max(trees[i].kept_depth for i in members)
         for a in range(0, live.numel(), chunk):
             sl = live[a: a + chunk]
             # Steps 2-3: the candidates of build_tree for these roots.
-            cand = _candidates(draft, cache, root_logits[sl], root_hidden[sl], roots[sl], expand, top_k)
+            cand = _candidates(draft, cache, root_logits[sl], root_hidden[sl], roots[sl], depth, top_k)
             for i in members:
-                d = reach[i]
-                acc = _accept(cand, trees[i].tree_nodes, torch.clamp(cap[sl], max=d), ahead[sl, :d])
+                t = trees[i]
+                acc = _accept(cand, t.tree_nodes, torch.clamp(cap[sl], max=t.kept_depth), ahead[sl, : t.kept_depth])
                 results[i, sl.cpu()] = acc.cpu()
     results = torch.minimum(results, remaining.cpu())  # Step 4, cut at the answer's end
     return [Replay(t, results[i].tolist()) for i, t in enumerate(trees)]

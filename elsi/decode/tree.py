@@ -33,6 +33,13 @@ class TreeConfig:
     def __post_init__(self) -> None:
         at_least(self, tree_nodes=1, depth=1, top_k=1)
 
+    @property
+    def kept_depth(self) -> int:
+        """The deepest level the tree can keep: a node deeper than ``tree_nodes`` has at least ``tree_nodes``
+        ancestors that rank before it (scores never rise along a path, ties keep parents first), so the
+        rerank never keeps it."""
+        return min(self.depth, self.tree_nodes)
+
 
 @dataclass
 class Tree:
@@ -81,12 +88,11 @@ def build_tree(root: int, root_logits: torch.Tensor, expand: ExpandFn, cfg: Tree
     so the top-k runs over the draft's own, smaller vocabulary. ``max_depth`` caps
     ``cfg.depth`` (e.g. near the end of ``max_new_tokens``); 0 gives a root-only tree.
     Calls ``expand`` ``depth - 1`` times with at most ``top_k`` rows each, where depth is also capped at
-    ``cfg.tree_nodes``: a node deeper than that has at least ``tree_nodes`` ancestors that rank before it (scores
-    never rise along a path, ties keep parents first), so the rerank could never keep it. A one-node tree (one
-    drafted token a step) therefore costs no draft pass beyond the root's, the same tree as a full expansion's.
+    ``cfg.kept_depth`` (no deeper node could survive the rerank). A one-node tree (one drafted token a step)
+    therefore costs no draft pass beyond the root's, the same tree as a full expansion's.
     """
     device = root_logits.device
-    depth = min(cfg.depth, cfg.tree_nodes)
+    depth = cfg.kept_depth
     if max_depth is not None:
         depth = min(depth, max_depth)
     if depth <= 0:
