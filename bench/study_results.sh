@@ -24,6 +24,9 @@ cp -r "$OUT/bench" "$DEST/"
 [ -d "$OUT/vllm" ] && cp -r "$OUT/vllm" "$DEST/"
 [ -d "$OUT/exact" ] && cp -r "$OUT/exact" "$DEST/"
 [ -d "$OUT/report" ] && cp -r "$OUT/report" "$DEST/"
+# finished results only: a benchmark still running keeps its questions so far in <record>.progress (for that machine
+# to go on from), not a record
+find "$DEST" -name "*.progress" -delete
 : > "$DEST/.left"
 # finished: trained, with every result the plan asks of it (a live benchmark where it decodes that seed live, the
 # exact τ where the plan has it: elsi.study.sofar.finished_drafts); a draft record without them would need the

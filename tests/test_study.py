@@ -168,7 +168,7 @@ def test_summary_numbers_gaps_and_verdict():
     assert study["conditions"][0]["spearman"]["rho"] == pytest.approx(1.0)
     text = " ".join(study["verdict"])
     assert "elsi:3 [1, 5, 8] beats eagle3 [2, 4, 5]" in text and "larger than the seed-to-seed spread" in text
-    assert "beat eagle3 in 1 of 1 comparisons, 1 of them by more than the seed-to-seed spread" in text
+    assert "In all, beyond the noise: the selected sets beat eagle3 in 1 of 1 comparisons, lose to it in 0" in text
 
 
 def test_summary_gaps_per_subtask_against_a_direct_count():
@@ -444,7 +444,7 @@ def test_study_end_to_end_resumes_and_reuses(tiny_dir, tiny_run, tiny_data, tmp_
     md = (out / "study.md").read_text()
     assert "## Verdict" in md and "| set " in md and "τ all" in md and "Spearman ρ(set entropy, τ all)" in md
     assert "## Drafts: training and held-out match" in md
-    assert "elsi:2" in md and ("beats eagle3" in md or "does not beat eagle3" in md)
+    assert "elsi:2" in md and any(f"{w} eagle3" in md for w in ("beats", "loses to", "is level with"))
     page = (out / "report" / "index.html").read_text()
     ET.fromstring(page.split("\n", 2)[2])  # well-formed after the XML declaration and doctype
     assert 'id="sec-study"' in page and 'data-file="study_tau_entropy.png"' in page
@@ -756,6 +756,47 @@ def test_gap_sentence_gives_the_seeds_t_interval_and_warns_where_few_seeds_make_
     assert "t-interval" not in txt  # one seed: no t-interval to give
 
 
+def test_gap_sentence_says_beats_or_loses_only_beyond_the_noise():
+    """A gap is won or lost only where every noise measure read puts it on one side of 0 (``gap_side``): the Δ%
+    interval over paired seeds and questions (with the seed-to-seed spread beside it under 4 seeds), else the
+    question bootstrap and the seed spread; a point estimate alone is only "ahead" or "behind"."""
+    from elsi.study.summary import gap_sentence, gap_side, verdict
+
+    # SmolLM2's elsi-c:3 against eagle3 at T = 0: +0.001 τ, bootstrap interval across 0, within the seed spread
+    g = {"set": "elsi-c:3", "layers": [5, 20, 27], "vs": "eagle3", "vs_layers": [2, 15, 27], "tau": 1.554,
+         "tau_ref": 1.553, "delta": 0.001, "delta_pct": 0.06, "seed_spread": 0.017, "beyond_seed_spread": False,
+         "ci_low": -0.001, "ci_high": 0.003}
+    assert gap_side(g) == 0
+    assert gap_sentence(g).startswith("elsi-c:3 [5, 20, 27] is level with eagle3 [2, 15, 27] within the noise: τ")
+    # the same gap with an interval clear of 0 but inside the seed spread: still level; beyond it as well: beats
+    assert gap_side({**g, "ci_low": 0.0005}) == 0
+    assert gap_side({**g, "ci_low": 0.0005, "delta": 0.02, "beyond_seed_spread": True}) == 1
+    # 8 paired seeds: the interval over seeds and questions decides alone (Gemma's elsi:3, inside the spread)
+    p = {**g, "set": "elsi:3", "delta": -0.007, "delta_pct": -0.47, "pct_ci_low": -0.75, "pct_ci_high": -0.18,
+         "pct_half_width": 0.28, "paired_seeds": list(range(8)), "beyond_seed_spread": False, "ci_low": -0.01,
+         "ci_high": -0.004}
+    assert gap_side(p) == -1 and " loses to eagle3 [2, 15, 27]: τ" in gap_sentence(p)
+    assert gap_side({**p, "pct_ci_high": 0.1}) == 0  # the interval reaches across 0
+    # under 4 paired seeds the bootstrap cannot redraw the seed part: the seed spread must be passed too (as
+    # compare.py's rule 1 reads it), whatever the seeds' own wide t-interval
+    two = {**p, "paired_seeds": [0, 1], "t_ci_low": -7.38, "t_ci_high": 2.27}
+    assert gap_side(two) == 0 and gap_side({**two, "beyond_seed_spread": True}) == -1
+    assert "which this interval and the seed-to-seed spread measure" in gap_sentence(two)
+    # one seed, no bootstrap: no noise measured, the point estimate only
+    one = {**g, "seed_spread": None, "beyond_seed_spread": None, "ci_low": None, "ci_high": None}
+    assert gap_side(one) is None and " is ahead of eagle3 " in gap_sentence(one)
+    assert " is behind eagle3 " in gap_sentence({**one, "delta": -0.01}) and gap_side({**one, "delta": -0.01}) is None
+    # the count over a condition's gaps
+    study = {"conditions": [{"exact": True, "tree_nodes": None, "spearman": {"rho": None},
+                             "gaps": [g, p, {**g, "set": "elsi:1", "delta": 0.02, "ci_low": 0.01,
+                                             "beyond_seed_spread": True}]}]}
+    assert verdict(study)[-1] == ("In all, beyond the noise: the selected sets beat eagle3 in 1 of 3 comparisons, "
+                                  "lose to it in 1 and are level with it in 1.")
+    alone = {"conditions": [{"exact": True, "tree_nodes": None, "spearman": {"rho": None}, "gaps": [one]}]}
+    assert verdict(alone)[-1] == ("In all: the selected sets are ahead of eagle3 in 1 of 1 comparisons (point "
+                                  "estimates: no seed-to-seed or question noise measured).")
+
+
 def _powered(delta, lo, hi, seeds=8, needed=None, subtasks=None):
     return {**_gain(delta, lo, hi, None, subtasks), "half_width": (hi - lo) / 2, "paired_seeds": seeds,
             "seeds_needed": needed}
@@ -919,6 +960,25 @@ def test_study_with_exact_tau_at_temperature_0(tiny_dir, tiny_run, tiny_data, tm
     assert "target features: none needed (every draft is trained" in capsys.readouterr().err
     again = json.loads((moved / "study.json").read_text())
     assert again["conditions"] == study["conditions"] and again["verdict"] == study["verdict"]
+    # bench/study_summary.py makes a finished study's summary again from those records alone, with its command and
+    # bootstrap: the same study.json, study.md and report; a draft without its τ is refused, naming it.
+    import importlib.util
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    spec = importlib.util.spec_from_file_location("study_summary", bench / "study_summary.py")
+    remake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(remake)
+    md_before = (moved / "study.md").read_text()
+    (moved / "study.md").unlink()
+    shutil.rmtree(moved / "report", ignore_errors=True)
+    monkeypatch.setattr("sys.argv", ["study_summary.py", str(moved)])
+    assert remake.main() == 0 and calls == []
+    assert "keys changed: none" in capsys.readouterr().out
+    assert json.loads((moved / "study.json").read_text()) == again and (moved / "study.md").read_text() == md_before
+    assert 'id="sec-study"' in (moved / "report" / "index.html").read_text()
+    (moved / "exact" / "elsi-2-s1.json").unlink()
+    assert remake.main() == 2 and "drafts not finished: elsi:2 s1" in capsys.readouterr().err
     # Temperature above 0 with the exact evaluator is refused by elsi bench, before any model loads.
     assert main(["bench", "--draft", "random", "--exact", "--temperature", "1"]) == 2
     assert "--exact computes τ at temperature 0 only" in capsys.readouterr().err
@@ -1066,6 +1126,7 @@ def test_study_results_keeps_the_summary_a_study_has_and_never_a_stale_so_far(tm
                                                "settings": {"bench": {"temperature": [0.0, 1.0], "live_seeds": [0]}}}))
     (out / "bench" / "baseline.json").write_text("{}")
     (out / "bench" / "eagle3-s0.json").write_text("{}")
+    (out / "bench" / "elsi-3-s0.json.progress").write_text("{}")  # a benchmark still running: not a record
     for name, status in (("eagle3-s0", "complete"), ("eagle3-s1", "complete"), ("elsi-3-s0", "complete"),
                          ("elsi-3-s1", "training")):
         (out / "drafts" / name).mkdir(parents=True)
@@ -1079,6 +1140,7 @@ def test_study_results_keeps_the_summary_a_study_has_and_never_a_stale_so_far(tm
     assert sorted(p.name for p in dest.iterdir()) == ["bench", "drafts", "features.json", "plan.json", "study.json",
                                                       "study.md"]
     assert sorted(p.name for p in (dest / "drafts").iterdir()) == ["eagle3-s0", "eagle3-s1"]
+    assert sorted(p.name for p in (dest / "bench").iterdir()) == ["baseline.json", "eagle3-s0.json"]
     (out / "study.json").unlink()
     env = {**os.environ, "PARTIAL": "1"}
     subprocess.run(["bash", str(root / "bench" / "study_results.sh"), "m", str(out), str(dest)], cwd=root, check=True,

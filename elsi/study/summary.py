@@ -380,11 +380,40 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
 # Text
 
 
+def gap_side(g: dict) -> int | None:
+    """Which side of 0 a gap lies on beyond its noise: +1 (the selected set beats the default), -1 (loses to it),
+    0 (level within the noise), None (no noise measured: one seed and no bootstrap, so only the point estimate).
+
+    The noise read, as ``elsi.study.compare``'s rules read it: from 4 paired seeds the interval of Δ% over paired
+    seeds and questions alone (its rule 5); under 4 that interval (the bootstrap cannot redraw the seed part from
+    so few) or, without it, the question-bootstrap interval of the gap, and the seed-to-seed spread beside it (its
+    rule 1), each where measured. Every check read must put the gap on the side of its point estimate."""
+    delta = g["delta"]
+    if g.get("pct_ci_low") is not None:
+        ci = [(g["pct_ci_low"], g["pct_ci_high"])]
+        spread = g["seed_spread"] is not None and len(g.get("paired_seeds") or []) < 4
+    else:
+        ci = [(g["ci_low"], g["ci_high"])] if g["ci_low"] is not None else []
+        spread = g["seed_spread"] is not None
+    if not ci and not spread:
+        return None
+    side = (delta > 0) - (delta < 0)
+    clear = (side != 0 and all(lo > 0 if side > 0 else hi < 0 for lo, hi in ci)
+             and (not spread or bool(g["beyond_seed_spread"])))
+    return side if clear else 0
+
+
+GAP_WORDS = {1: "beats", -1: "loses to", 0: "is level with"}  # beyond the noise (``gap_side``)
+POINT_WORDS = {1: "is ahead of", -1: "is behind", 0: "ties with"}  # no noise measured: the point estimate alone
+
+
 def gap_sentence(g: dict) -> str:
-    """One plain sentence: does the selected set beat the default, by how much, beyond the noise?"""
-    beats = g["delta"] > 0
-    txt = (f"{g['set']} {layer_list(g['layers'])} {'beats' if beats else 'does not beat'} {g['vs']} "
-           f"{layer_list(g['vs_layers'])}: τ {num(g['tau'])} vs {num(g['tau_ref'])} ({num(g['delta_pct'], 1, True)}%)")
+    """One plain sentence: does the selected set beat the default, by how much, beyond the noise (``gap_side``)?"""
+    side = gap_side(g)
+    word = GAP_WORDS[side] if side is not None else POINT_WORDS[(g["delta"] > 0) - (g["delta"] < 0)]
+    within = " within the noise" if side == 0 else ""
+    txt = (f"{g['set']} {layer_list(g['layers'])} {word} {g['vs']} {layer_list(g['vs_layers'])}{within}: "
+           f"τ {num(g['tau'])} vs {num(g['tau_ref'])} ({num(g['delta_pct'], 1, True)}%)")
     if g["seed_spread"] is None:
         txt += "; seed-to-seed noise not measured (one seed each)"
     else:
@@ -403,8 +432,8 @@ def gap_sentence(g: dict) -> str:
                 f"{num(g['pct_half_width'], 2)} points, target ≤ {TARGET_HALF_WIDTH}{need})")
     if g.get("t_ci_low") is not None:  # two seeds or more: the seeds' own Δ%, every question
         n = len(g["paired_seeds"])
-        few = ("; with so few seeds the bootstrap cannot draw the seed-to-seed part, so read this one"
-               if n < 4 else "")
+        few = ("; with so few seeds the bootstrap cannot draw the seed-to-seed part, which this interval and the "
+               "seed-to-seed spread measure" if n < 4 else "")
         txt += (f"; paired t-interval over the {n} seeds alone [{num(g['t_ci_low'], 2, True)}, "
                 f"{num(g['t_ci_high'], 2, True)}]{few}")
     return txt + "."
@@ -433,15 +462,20 @@ def verdict(study: dict) -> list[str]:
         mine = [g for g in gaps if g["vs"] == ref]
         if not mine:
             continue
-        wins = [g for g in mine if g["delta"] > 0]
-        clear = [g for g in wins if g["beyond_seed_spread"]]
-        noise = ("" if all(g["seed_spread"] is None for g in mine)
-                 else f", {len(clear)} of them by more than the seed-to-seed spread")
-        out.append(f"In all: the selected sets beat {ref} in {len(wins)} of {len(mine)} comparisons{noise}.")
+        sides = [gap_side(g) for g in mine]
+        if all(side is None for side in sides):
+            ahead = sum(g["delta"] > 0 for g in mine)
+            out.append(f"In all: the selected sets are ahead of {ref} in {ahead} of {len(mine)} comparisons "
+                       f"(point estimates: no seed-to-seed or question noise measured).")
+            continue
+        unmeasured = sides.count(None)
+        out.append(f"In all, beyond the noise: the selected sets beat {ref} in {sides.count(1)} of {len(mine)} "
+                   f"comparisons, lose to it in {sides.count(-1)} and are level with it in {sides.count(0)}"
+                   + (f" ({unmeasured} without a noise measure)" if unmeasured else "") + ".")
     if not gaps:
         out.append("No selected set (elsi, elsi-c, exhaustive) and default (eagle3, eagle2) pair to compare.")
     return out
 
 
-__all__ = ["claims_condition", "condition_seeds", "delta_pct_interval", "draft_stats", "gap_sentence",
+__all__ = ["claims_condition", "condition_seeds", "delta_pct_interval", "draft_stats", "gap_sentence", "gap_side",
            "summarize_condition", "summarize_study", "verdict", "vllm_rows"]
