@@ -380,18 +380,21 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
 # Text
 
 
+FEW_SEEDS = 4  # under this many paired seeds the hierarchical bootstrap cannot draw the seed-to-seed part
+
+
 def gap_side(g: dict) -> int | None:
     """Which side of 0 a gap lies on beyond its noise: +1 (the selected set beats the default), -1 (loses to it),
     0 (level within the noise), None (no noise measured: one seed and no bootstrap, so only the point estimate).
 
-    The noise read, as ``elsi.study.compare``'s rules read it: from 4 paired seeds the interval of Δ% over paired
-    seeds and questions alone (its rule 5); under 4 that interval (the bootstrap cannot redraw the seed part from
-    so few) or, without it, the question-bootstrap interval of the gap, and the seed-to-seed spread beside it (its
-    rule 1), each where measured. Every check read must put the gap on the side of its point estimate."""
+    The noise read: from ``FEW_SEEDS`` paired seeds the interval of Δ% over paired seeds and questions alone (as
+    ``elsi.study.compare``'s rule 5 reads a powered study); under that the bootstrap cannot redraw the seed part, so
+    that interval or, without it, the question-bootstrap interval of the gap, and the seed-to-seed spread beside it
+    (as its rule 1), each where measured. Every check read must put the gap on the side of its point estimate."""
     delta = g["delta"]
     if g.get("pct_ci_low") is not None:
         ci = [(g["pct_ci_low"], g["pct_ci_high"])]
-        spread = g["seed_spread"] is not None and len(g.get("paired_seeds") or []) < 4
+        spread = g["seed_spread"] is not None and len(g.get("paired_seeds") or []) < FEW_SEEDS
     else:
         ci = [(g["ci_low"], g["ci_high"])] if g["ci_low"] is not None else []
         spread = g["seed_spread"] is not None
@@ -433,7 +436,7 @@ def gap_sentence(g: dict) -> str:
     if g.get("t_ci_low") is not None:  # two seeds or more: the seeds' own Δ%, every question
         n = len(g["paired_seeds"])
         few = ("; with so few seeds the bootstrap cannot draw the seed-to-seed part, which this interval and the "
-               "seed-to-seed spread measure" if n < 4 else "")
+               "seed-to-seed spread measure" if n < FEW_SEEDS else "")
         txt += (f"; paired t-interval over the {n} seeds alone [{num(g['t_ci_low'], 2, True)}, "
                 f"{num(g['t_ci_high'], 2, True)}]{few}")
     return txt + "."
