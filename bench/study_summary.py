@@ -20,7 +20,7 @@ from elsi.io import read_json
 from elsi.report import build_report
 from elsi.study.plan import load_plan
 from elsi.study.run import STUDY_JSON, baseline_paths, vllm_path, write_summary
-from elsi.study.sofar import finished_drafts
+from elsi.study.sofar import drafts_left, finished_drafts
 
 
 def main() -> int:
@@ -36,7 +36,7 @@ def main() -> int:
     old = read_json(out / STUDY_JSON)
     plan = load_plan(out)
     benches, trained = finished_drafts(out, plan)
-    left = [f"{s.name} s{seed}" for s, seed in plan.drafts if (s.name, seed) not in benches]
+    left = drafts_left(plan, benches)
     if left:
         print(f"{out}: drafts not finished: {', '.join(left)}", file=sys.stderr)
         return 2

@@ -51,6 +51,12 @@ def finished_drafts(study_dir: str | Path, plan: StudyPlan) -> tuple[dict, dict]
     return benches, trained
 
 
+def drafts_left(plan: StudyPlan, benches: dict) -> list[str]:
+    """The planned drafts not finished (not in ``benches``, as ``finished_drafts`` gives it), as "<set> s<seed>",
+    in the order the study trains them."""
+    return [f"{s.name} s{seed}" for s, seed in plan.seed_major() if (s.name, seed) not in benches]
+
+
 def summary_so_far(study_dir: str | Path, bootstrap: int = 1000, command: str = "") -> dict:
     """``so-far.json`` and ``so-far.md`` in ``study_dir`` from its finished drafts -> the summary, with
     ``so_far`` = {"finished", "planned", "left" (the drafts not finished, as "<set> s<seed>")}. Raises
@@ -65,7 +71,7 @@ def summary_so_far(study_dir: str | Path, bootstrap: int = 1000, command: str = 
     seeds = {s.name: [sd for name, sd in benches if name == s.name] for s in plan.sets}
     part = replace(plan, sets=[s for s in plan.sets if seeds[s.name]],
                    draft_seeds={name: v for name, v in seeds.items() if v})
-    left = [f"{s.name} s{seed}" for s, seed in plan.seed_major() if (s.name, seed) not in benches]
+    left = drafts_left(plan, benches)
     works = [draft_work(study_dir, plan, s, seed, read=_record) for s, seed in plan.seed_major()]
     pace, machine = study_time_left(works, where="there")  # at the pace of the machine the study last ran on
     study = {"command": command, **summarize_study(part, benches, [read_json(p) for p in baseline_paths(study_dir)],
@@ -81,4 +87,4 @@ def summary_so_far(study_dir: str | Path, bootstrap: int = 1000, command: str = 
     return study
 
 
-__all__ = ["SO_FAR_JSON", "SO_FAR_MD", "finished_drafts", "summary_so_far"]
+__all__ = ["SO_FAR_JSON", "SO_FAR_MD", "drafts_left", "finished_drafts", "summary_so_far"]
