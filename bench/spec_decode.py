@@ -107,7 +107,7 @@ def main() -> int:
                         plain=i == 0)
         cfg = cfg or c
 
-        def show(a, done, total, label=f"d{depth} k{top_k}"):
+        def show(a, done, total, kept, label=f"d{depth} k{top_k}"):
             print(f"\r{label} [{done}/{total}] {a.subtask} q{a.question_id}", end="", file=sys.stderr, flush=True)
 
         part = run_bench(target, drafter, c, on_answer=show)

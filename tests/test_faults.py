@@ -806,7 +806,8 @@ def test_bench_progress_of_another_draft_or_settings_is_not_taken_up(tiny_target
     progress = tmp_path / "out.json.progress"
     seen = []
 
-    def stop_after_two(a, done, total):
+    def stop_after_two(a, done, total, kept):
+        assert not kept
         seen.append(a.question_id)
         if done == 2:
             raise KeyboardInterrupt
@@ -819,7 +820,11 @@ def test_bench_progress_of_another_draft_or_settings_is_not_taken_up(tiny_target
     real = elsi.specbench.runner.answer
     monkeypatch.setattr(elsi.specbench.runner, "answer",
                         lambda m, name, q, *a: answered.append(q.question_id) or real(m, name, q, *a))
-    res = run_bench(tiny_target, drafter, cfg(), progress=progress)  # the same draft: two questions kept
+    told = []
+    res = run_bench(tiny_target, drafter, cfg(), progress=progress,  # the same draft: two questions kept
+                    on_answer=lambda a, done, total, kept: told.append((a.question_id, done, kept)))
+    assert [d for _, d, _ in told] == [1, 2, 3]
+    assert [k for _, _, k in told] == [q in seen for q, _, _ in told] and sum(k for _, _, k in told) == 2
     assert len(set(seen)) == 2 and set(answered) == {a["question_id"] for a in ref["answers"]} - set(seen)
     key = lambda r: [(a["question_id"], a["method"], a["new_tokens"], a["steps"], a["accepted"])  # noqa: E731
                      for a in r["answers"]]

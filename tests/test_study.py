@@ -8,6 +8,7 @@ import math
 import re
 import shutil
 import statistics
+import time
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -1183,3 +1184,27 @@ def test_time_left_counts_only_this_machines_finished_records():
     assert time_left({"training": 0, "live benchmark": 0}, done, here) == ""  # nothing left
     assert [duration(s) for s in (0.42, 45, 59.6, 840, 3600 * 9 + 300)] == ["0.4 s", "45 s", "1 min", "14 min",
                                                                            "9 h 05 min"]
+
+
+def test_study_bench_bar_rates_only_questions_answered_while_it_shows():
+    """The live benchmark tells the bar after each question: the first question's time is unknown and a question
+    kept from an interrupted run took none, so neither may enter the rate (it once read 55,924 questions/s)."""
+    from types import SimpleNamespace
+
+    from elsi.cli.study import _Bars
+
+    bars = _Bars(SimpleNamespace(samples=1), SimpleNamespace(train_budget="0"), SimpleNamespace(max_steps=1200))
+    a = SimpleNamespace(subtask="mt_bench", question_id=81, temperature=1.0, tokens_per_s=3.5)
+    rate = lambda: re.search(r"([?\d.]+)(?:question/s|s/question)", str(bars.bar)).group(1)  # noqa: E731
+    try:
+        bars.bench(a, 1, 18, True)  # kept
+        bars.bench(a, 2, 18, True)  # kept: at once
+        assert rate() == "?"
+        time.sleep(0.2)
+        bars.bench(a, 3, 18, False)  # answered now, the first since the bar began to count
+        d = bars.bar.format_dict
+        assert d["n"] - d["initial"] == 1 and 1 / d["elapsed"] == pytest.approx(float(rate()), rel=0.2)
+        bars.bench(a, 4, 18, True)  # a kept question later (a run resumed out of order): counting starts again
+        assert rate() == "?" and bars.bar.n == 4
+    finally:
+        bars.close()

@@ -148,8 +148,9 @@ def bench_cmd(cfg: BenchConfig, vcfg: VllmBenchConfig, rt: Runtime) -> int:
     if drafter is None:
         print("elsi bench: no --draft: timing plain decoding and transformers generate only", file=sys.stderr)
 
-    def show(a, done: int, total: int) -> None:
-        print(f"\r[{done}/{total}] {a.subtask} q{a.question_id}: {a.tokens_per_s:.1f} tok/s", end="",
+    def show(a, done: int, total: int, kept: bool) -> None:
+        print(f"\r[{done}/{total}] {a.subtask} q{a.question_id}: {a.tokens_per_s:.1f} tok/s"
+              f"{' (kept from an interrupted run)' if kept else ''}", end="",
               file=sys.stderr, flush=True)
 
     progress = progress_path(cfg.out) if cfg.out else None  # finished questions survive an interruption

@@ -84,9 +84,15 @@ class _Bars:
     def exact(self, what: str, done: int, total: int) -> None:
         self.vllm(what, done, total, unit="turn")  # the target's answers, then the exact τ, per answer turn
 
-    def bench(self, a, done: int, total: int) -> None:
+    def bench(self, a, done: int, total: int, kept: bool) -> None:
+        # told once a question is done, so the rate counts from the first question reported, and again from the
+        # last one kept from an interrupted run (those take no time)
         if self.bar is None:
-            self.bar = tqdm(total=total, desc="Spec-Bench", unit="question", file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=done, desc="Spec-Bench", unit="question", file=sys.stderr,
+                            dynamic_ncols=True)
+        elif kept:
+            self.bar.reset(total)
+            self.bar.initial = done
         self.bar.n = done
         self.bar.set_postfix_str(f"{a.subtask} q{a.question_id} T={a.temperature:g} {a.tokens_per_s:.1f} tok/s",
                                  refresh=True)

@@ -204,12 +204,13 @@ class AnswerProgress(ProgressFile):
 
 
 def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
-              on_answer: Callable[[Answer, int, int], None] | None = None,
+              on_answer: Callable[[Answer, int, int, bool], None] | None = None,
               progress: str | Path | None = None) -> dict:
     """Every method on every question at every temperature -> the results dict (see ``summarize``).
 
     Methods: transformers ``generate`` (``cfg.hf_generate``), plain decoding (``cfg.plain``) and,
-    with a drafter, speculative decoding at each tree size. ``progress`` (``progress_path``): a file that keeps
+    with a drafter, speculative decoding at each tree size. ``on_answer(answer, done, total, kept)`` after each
+    question, ``kept`` where it came back from ``progress`` rather than being answered now. ``progress`` (``progress_path``): a file that keeps
     the finished questions across an interruption (``AnswerProgress``); the caller removes it once the results
     are written.
     """
@@ -245,6 +246,7 @@ def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
                        torch.Generator(device=runner.device).manual_seed(cfg.seed))
         for q in questions:
             mine = kept.restore(temp, q.question_id)
+            restored = mine is not None
             if mine is None:
                 mine = []
                 for name, n, m in methods:
@@ -255,7 +257,7 @@ def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
             a = mine[-1]
             done += 1
             if on_answer is not None:
-                on_answer(a, done, total)
+                on_answer(a, done, total, restored)
     return summarize(answers, cfg)
 
 

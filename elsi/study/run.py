@@ -69,7 +69,7 @@ class Hooks:
     step: Callable[[int, int, str], None] | None = None  # (step i, of n, what it does)
     features: Callable[[FeatureProgress], None] | None = None
     train: Callable[[TrainProgress], None] | None = None
-    bench: Callable[[Answer, int, int], None] | None = None  # (last answer, questions done, total)
+    bench: Callable[[Answer, int, int, bool], None] | None = None  # (last answer, questions done, total, kept)
     vllm: Callable[[str, int, int], None] | None = None  # (run, e.g. "vllm_spec k=1", questions done, total)
     exact: Callable[[str, int, int], None] | None = None  # (what, e.g. "exact τ", answer turns done, total)
     pace: Callable[[str], None] | None = None  # the drafts' work left at this machine's pace (``pace.time_left``)
