@@ -4,7 +4,10 @@
 #   retrained, each decoded live at temperature 1 on 3 questions per subtask (18, both mt_bench turns) at ≤ 128 new
 #   tokens with one drafted token, 30 and 60 nodes; no exact τ (temperature 0 is the T = 0 study's). Seed s is
 #   trained as the T = 0 study's seed s was (same initialisation, data order and precision), so the T = 1 drafts
-#   are those drafts again up to the machine's rounding.
+#   are those drafts again up to the machine's rounding. Where the T = 0 study trained in bf16 and this CPU has no
+#   native bf16 (AVX2 only: emulated, ~5x slower), pass --dtype float32 --train-dtype float32 (then on every machine
+#   that resumes it; the study refuses a mix): the same recipe in float32, not those drafts again. SmolLM2-135M's
+#   T = 1 study runs so (bench/results/README.md).
 #   Resumable as bench/study3.sh; records kept with
 #   `PARTIAL=1 bash bench/study_results.sh MODEL STUDY_DIR bench/results/study3-t1-MODEL` and taken up from there.
 #   Cost on two cores: a Gemma-3 draft ~7-14 min training + ~31 min decoding (bench/results/README.md), plus the
