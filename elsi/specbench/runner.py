@@ -210,9 +210,9 @@ def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
 
     Methods: transformers ``generate`` (``cfg.hf_generate``), plain decoding (``cfg.plain``) and,
     with a drafter, speculative decoding at each tree size. ``on_answer(answer, done, total, kept)`` after each
-    question, ``kept`` where it came back from ``progress`` rather than being answered now. ``progress`` (``progress_path``): a file that keeps
-    the finished questions across an interruption (``AnswerProgress``); the caller removes it once the results
-    are written.
+    question, ``kept`` where it came back from ``progress`` rather than being answered now. ``progress``
+    (``progress_path``): a file that keeps the finished questions across an interruption (``AnswerProgress``); the
+    caller removes it once the results are written.
     """
     if drafter is None and not (cfg.hf_generate or cfg.plain):
         raise ValueError("run_bench: no drafter and neither hf_generate nor plain: nothing to run")
@@ -247,7 +247,7 @@ def run_bench(target, drafter: Drafter | None, cfg: BenchConfig,
         for q in questions:
             mine = kept.restore(temp, q.question_id)
             restored = mine is not None
-            if mine is None:
+            if not restored:
                 mine = []
                 for name, n, m in methods:
                     gen = torch.Generator(device=runner.device).manual_seed(cfg.seed + q.question_id)
