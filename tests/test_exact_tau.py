@@ -111,13 +111,17 @@ def test_replay_equals_live_on_smollm2_with_a_trained_draft(smollm2_draft):
             first = next((i for i, (a, b) in enumerate(zip(live, walk)) if a != b), min(len(live), len(walk)))
             differ += len(live) - first
     assert len(qs) >= 12
-    assert accepted > steps / 4, "the draft accepts enough tokens for the comparison to mean something"
+    assert accepted > steps / 4, f"the draft accepts too little for the comparison to mean something: {accepted} " \
+        f"drafted tokens accepted in {steps} steps"
     assert differ <= steps / 100, f"{differ} of {steps} live steps differ from the replay"
 
 
 @pytest.fixture(scope="module")
 def smollm2_draft(tmp_path_factory):
-    """SmolLM2-135M and a draft trained briefly on ShareGPT (or ELSI_TEST_DRAFT's)."""
+    """SmolLM2-135M and a draft trained briefly on ShareGPT (or ELSI_TEST_DRAFT's): 400 steps on 120 conversations
+    (3.5 epochs). With 240 this setup took 382 s of the test's 684 s on a 2-core AVX2 CPU, 238 s with 120, whose
+    draft accepted 414 drafted tokens in 1,188 steps (the test asks more than a quarter), every step equal to the
+    replay's."""
     from elsi.draft import Eagle3Draft
     from elsi.models import load_target
 
@@ -127,7 +131,7 @@ def smollm2_draft(tmp_path_factory):
         from elsi.cli import main
 
         path = str(tmp_path_factory.mktemp("draft") / "d")
-        rc = main(["train-draft", "--layers", "2,15,27", "--samples", "240", "--max-tokens", "512",
+        rc = main(["train-draft", "--layers", "2,15,27", "--samples", "120", "--max-tokens", "512",
                    "--max-steps", "400", "--time-budget", "0", "--out", path,
                    "--features-dir", str(tmp_path_factory.mktemp("feats")), "--threads", "2"])
         assert rc == 0
