@@ -739,6 +739,52 @@ def test_delta_pct_interval_against_a_naive_hierarchical_bootstrap():
     assert delta_pct_interval(stats, {"eagle3": [0, 1], "elsi:3": [1, 2]}, "elsi:3", "eagle3", w)["paired_seeds"] == [1]
 
 
+def test_reach_plan_is_the_cheapest_seeds_and_questions_of_a_brute_force_search():
+    """Where the question part alone is wider than the target, the seeds and questions that reach ±0.8 with the
+    fewest drafts × questions: equal to a search over every (seeds, questions) pair written out."""
+    from elsi.study.summary import TARGET_HALF_WIDTH, reach_plan
+
+    def half(q_sd, s_sd, q0, s, q):  # the half-width the variance split predicts
+        return 1.96 * math.sqrt(q_sd ** 2 * q0 / q + s_sd ** 2 / s)
+
+    for q_sd, s_sd, q0, s0 in ((0.68, 0.82, 18, 2), (0.5, 0.3, 12, 3), (0.9, 2.0, 18, 2), (0.45, 1.1, 40, 8)):
+        got = reach_plan(q_sd, s_sd, q0, s0)
+        best = min(((s, q) for s in range(s0, 129) for q in range(1, 3001)
+                    if half(q_sd, s_sd, q0, s, q) <= TARGET_HALF_WIDTH), key=lambda p: (p[0] * p[1], p[0]))
+        assert (got["seeds"], got["questions"]) == best
+        assert half(q_sd, s_sd, q0, got["seeds"], got["questions"]) <= TARGET_HALF_WIDTH
+        assert half(q_sd, s_sd, q0, got["seeds"], got["questions"] - 1) > TARGET_HALF_WIDTH
+    assert reach_plan(0.68, 0.82, 18, 2)["seeds"] == 8  # SmolLM2's T = 1 study: 2 × 0.82² / (0.8 / 1.96)² ≈ 8
+    assert reach_plan(0.5, 30.0, 18, 2, most_seeds=64) is None  # the seed part alone too wide up to 64 seeds
+
+
+def test_delta_pct_interval_says_what_reaches_the_target_where_seeds_alone_cannot():
+    """Few questions with much per-question noise: the question part alone exceeds ±0.8, so no seed count
+    reaches it (``seeds_needed`` None) and ``reach`` gives seeds and questions; the sentence says so."""
+    from elsi.study.summary import delta_pct_interval, gap_sentence, reach_plan
+
+    rng = np.random.default_rng(3)
+    q, seeds = 10, [0, 1, 2]
+    steps = rng.integers(20, 40, q).astype(float)
+    per_question = {"eagle3": 0.0, "elsi:3": rng.normal(0, 0.06, q)}  # where the sets differ: the same every seed
+    stats = {(name, sd): {"steps": steps, "accepted": steps * (2.0 + per_question[name] + rng.normal(0, 0.01, q))}
+             for name in per_question for sd in seeds}
+    w = resample_weights(q, 400, seed=0)
+    got = delta_pct_interval(stats, {"eagle3": seeds, "elsi:3": seeds}, "elsi:3", "eagle3", w)
+    assert 1.96 * got["question_sd"] > 0.8 and got["seeds_needed"] is None
+    assert got["reach"] == reach_plan(got["question_sd"], got["seed_sd"], q, 3) and got["reach"]["questions"] > q
+    g = {"set": "elsi:3", "layers": [5, 18, 27], "vs": "eagle3", "vs_layers": [2, 15, 27], "tau": 2.0,
+         "tau_ref": 2.0, "delta": 0.0, "delta_pct": 0.0, "seed_spread": 0.01, "beyond_seed_spread": False,
+         "ci_low": None, "ci_high": None, **got}
+    r = got["reach"]
+    assert (f"more seeds alone cannot reach it (the question part alone is wider), about {r['seeds']} paired seeds "
+            f"on {r['questions']} questions would (an estimate from 3 seeds' spread") in gap_sentence(g)
+    # where seeds alone can, the sentence names them and no reach is computed
+    easy = delta_pct_interval(stats, {"eagle3": seeds, "elsi:3": seeds}, "elsi:3", "eagle3",
+                              resample_weights(q, 400, seed=0) * 0 + 1)  # every resample = all questions
+    assert easy["question_sd"] == 0 and easy["reach"] is None and easy["seeds_needed"] >= 1
+
+
 def test_gap_sentence_gives_the_seeds_t_interval_and_warns_where_few_seeds_make_the_bootstrap_narrow():
     """Two paired seeds: the hierarchical bootstrap can only redraw those two, so its interval misses most of the
     seed-to-seed part; the sentence gives the paired t-interval beside it and says which to read."""
@@ -811,6 +857,8 @@ def test_claim_rules_for_a_powered_study():
     assert judge_m3(_powered(0.4, -0.3, 1.1))[0] == CONTRADICTED  # 1.6 excluded
     verdict, numbers = judge_m3(_powered(0.4, -1.0, 1.8, seeds=2, needed=11))
     assert verdict == UNRESOLVED and "half-width 1.40" in numbers and "about 11 paired seeds" in numbers
+    verdict, numbers = judge_m3({**_powered(0.4, -1.0, 1.8, seeds=2), "reach": {"seeds": 8, "questions": 101}})
+    assert verdict == UNRESOLVED and "about 8 paired seeds on 101 questions would (an estimate from 2 seeds'" in numbers
     assert judge_m1(_powered(-0.5, -1.2, 0.2))[0] == SUPPORTED
     assert judge_m1(_powered(-2.2, -2.9, -1.5))[0] == CONTRADICTED
     assert judge_m1(_powered(-2.2, -3.9, -0.5))[0] == UNRESOLVED  # too wide

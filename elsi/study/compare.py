@@ -32,7 +32,8 @@ seeds of any set):
    (``summary.delta_pct_interval``); written before any powered run (the pilot of two seeds,
    bench/results/study3-pilot-smollm2-135m, then measured a half-width of 0.35 points on 120 questions).
    If the interval's half-width exceeds ±0.8 points (``TARGET_HALF_WIDTH``), every claim on that model is
-   not resolvable, with the width and the seeds that would reach it. Otherwise:
+   not resolvable, with the width and the seeds (or, where the question part alone is wider, the seeds and
+   questions: ``summary.reach_plan``) that would reach it. Otherwise:
    m3_gain: contradicted when the interval lies below +1.6 %; supported when it lies above 0 and reaches
    +1.6 %. m1_parity: supported when |Δ| < 1.6 %, contradicted otherwise. where: supported as in 3,
    contradicted otherwise. compartments: as in 4, on these verdicts.
@@ -53,7 +54,7 @@ import numpy as np
 from elsi.io import read_json
 from elsi.report.study import load_study
 from elsi.stats.sampling import spearman
-from elsi.study.summary import TARGET_HALF_WIDTH, _clean, claims_condition
+from elsi.study.summary import TARGET_HALF_WIDTH, _clean, claims_condition, need_words
 from elsi.text import md_table, num
 
 PAPER = {
@@ -113,7 +114,7 @@ def gain(cond: dict, name: str, ref: str = "eagle3") -> dict | None:
            "subtasks": subs, "half_width": None}
     if powered:
         out.update(ci_low_pct=g["pct_ci_low"], ci_high_pct=g["pct_ci_high"], half_width=g["pct_half_width"],
-                   paired_seeds=len(g["paired_seeds"]), seeds_needed=g.get("seeds_needed"),
+                   paired_seeds=len(g["paired_seeds"]), seeds_needed=g.get("seeds_needed"), reach=g.get("reach"),
                    t_ci_low_pct=g.get("t_ci_low"), t_ci_high_pct=g.get("t_ci_high"))
     return out
 
@@ -122,7 +123,7 @@ def _width_missed(g: dict) -> str | None:
     """Why a powered interval cannot decide (its half-width over ``TARGET_HALF_WIDTH``), or None."""
     if g["half_width"] <= TARGET_HALF_WIDTH:
         return None
-    need = f"; about {g['seeds_needed']} paired seeds would reach it" if g.get("seeds_needed") else ""
+    need = need_words(g)
     return (f": the interval's half-width {num(g['half_width'], 2)} points over {g['paired_seeds']} paired seeds "
             f"misses the target ±{TARGET_HALF_WIDTH}{need}")
 

@@ -92,13 +92,16 @@ def delta_pct_interval(stats: dict[tuple[str, int], dict], seeds: dict[str, list
     (``weights`` (R, Q), the same question draws for both sets), τ = the mean over the drawn seeds of each
     draft's pooled τ. Also a paired t-interval over the seeds' own Δ% (all questions), and, splitting the
     variance of Δ% into a question part (the question bootstrap of the seed mean) and a seed part (the
-    seeds' Δ% variance / S), the seeds that would bring the half-width to ``TARGET_HALF_WIDTH``.
+    seeds' Δ% variance / S), the seeds that would bring the half-width to ``TARGET_HALF_WIDTH`` at this many
+    questions (``seeds_needed``), and where seeds alone cannot (the question part alone is wider), the seeds and
+    questions that would (``reach``: ``reach_plan``).
     """
     from scipy import stats as st
 
     paired = [sd for sd in seeds[name] if sd in seeds[ref]]
     out = {"paired_seeds": paired, "pct_ci_low": None, "pct_ci_high": None, "pct_half_width": None,
-           "t_ci_low": None, "t_ci_high": None, "question_sd": None, "seed_sd": None, "seeds_needed": None}
+           "t_ci_low": None, "t_ci_high": None, "question_sd": None, "seed_sd": None, "seeds_needed": None,
+           "reach": None}
     if not paired:
         return out
     a = np.stack([pooled_tau(weights, stats[(name, sd)]["accepted"], stats[(name, sd)]["steps"]) for sd in paired])
@@ -124,7 +127,27 @@ def delta_pct_interval(stats: dict[tuple[str, int], dict], seeds: dict[str, list
         if q_sd is not None:
             room = (TARGET_HALF_WIDTH / 1.96) ** 2 - q_sd ** 2  # variance left for the seed part
             out["seeds_needed"] = (math.ceil(sd_s ** 2 / room) if room > 0 else None)
+            if room <= 0:
+                out["reach"] = reach_plan(q_sd, sd_s, weights.shape[1], n_s)
     return out
+
+
+def reach_plan(question_sd: float, seed_sd: float, questions: int, seeds: int, most_seeds: int = 256) -> dict | None:
+    """The paired seeds S and questions Q that bring the half-width of Δ% to ``TARGET_HALF_WIDTH`` with the fewest
+    drafts × questions (what live decoding costs), at least the ``seeds`` measured: an estimate that takes the
+    question part's variance as ``question_sd``² × ``questions`` / Q (questions drawn alike) and the seed part's as
+    ``seed_sd``² / S, i.e. the smallest S·Q with 1.96² (question_sd² questions / Q + seed_sd² / S) ≤ target².
+    None where no S up to ``most_seeds`` would (the seed part alone too wide)."""
+    target = (TARGET_HALF_WIDTH / 1.96) ** 2
+    best = None
+    for s in range(max(seeds, 1), most_seeds + 1):
+        room = target - seed_sd ** 2 / s  # variance left for the question part
+        if room <= 0:
+            continue
+        q = max(1, math.ceil(question_sd ** 2 * questions / room))
+        if best is None or s * q < best["seeds"] * best["questions"]:
+            best = {"seeds": s, "questions": q}
+    return best
 
 
 def draft_stats(answers: list[dict], qids: list[int], subtask_of: dict[int, str], temperature, tree_nodes,
@@ -410,6 +433,20 @@ GAP_WORDS = {1: "beats", -1: "loses to", 0: "is level with"}  # beyond the noise
 POINT_WORDS = {1: "is ahead of", -1: "is behind", 0: "ties with"}  # no noise measured: the point estimate alone
 
 
+def need_words(g: dict) -> str:
+    """What would bring a too-wide Δ% interval to the target: more paired seeds, or (``reach``) seeds and questions."""
+    if g.get("seeds_needed"):
+        return f"; about {g['seeds_needed']} paired seeds would reach it"
+    r = g.get("reach")
+    if r:
+        n = g.get("paired_seeds")
+        n = len(n) if isinstance(n, list) else n  # study.json lists them, comparison.json counts them
+        return (f"; more seeds alone cannot reach it (the question part alone is wider), about {r['seeds']} paired "
+                f"seeds on {r['questions']} questions would (an estimate from {n} seeds' spread, the question part "
+                f"shrinking as 1 / questions)")
+    return ""
+
+
 def gap_sentence(g: dict) -> str:
     """One plain sentence: does the selected set beat the default, by how much, beyond the noise (``gap_side``)?"""
     side = gap_side(g)
@@ -428,7 +465,7 @@ def gap_sentence(g: dict) -> str:
                 f"{num(g['ci_high'], 3, True)}]{', which excludes 0' if excl else ''}")
     if g.get("pct_ci_low") is not None:
         met = g["pct_half_width"] <= TARGET_HALF_WIDTH
-        need = ("" if met or not g.get("seeds_needed") else f"; about {g['seeds_needed']} paired seeds would reach it")
+        need = "" if met else need_words(g)
         n = len(g["paired_seeds"])
         txt += (f"; 95% interval of Δ% over {n} paired seed{'s' if n != 1 else ''} and the questions "
                 f"[{num(g['pct_ci_low'], 2, True)}, {num(g['pct_ci_high'], 2, True)}] (half-width "
@@ -481,4 +518,4 @@ def verdict(study: dict) -> list[str]:
 
 
 __all__ = ["claims_condition", "condition_seeds", "delta_pct_interval", "draft_stats", "gap_sentence", "gap_side",
-           "summarize_condition", "summarize_study", "verdict", "vllm_rows"]
+           "need_words", "reach_plan", "summarize_condition", "summarize_study", "verdict", "vllm_rows"]
