@@ -132,6 +132,7 @@ def pilot(acc: dict, steps: dict, subtasks: list[str], name: str, ref: str, rng:
 
 
 def quantiles(x: list[float]) -> dict:
+    """The 10th, 50th and 90th percentiles of ``x`` (None each where it is empty)."""
     if not x:
         return {"median": None, "p10": None, "p90": None}
     p10, med, p90 = np.percentile(x, [10, 50, 90])
@@ -155,7 +156,7 @@ def main() -> int:
     try:
         acc, steps, subtasks = population(study, args.set, args.ref)
     except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"{study}: {e}", file=sys.stderr)
+        print(f"reach_check: {e}", file=sys.stderr)
         return 2
     n_s, n_q = acc[args.set].shape
     rng = np.random.default_rng(0)
