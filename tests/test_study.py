@@ -756,6 +756,12 @@ def test_reach_plan_is_the_cheapest_seeds_and_questions_of_a_brute_force_search(
         assert half(q_sd, s_sd, q0, got["seeds"], got["questions"] - 1) > TARGET_HALF_WIDTH
     assert reach_plan(0.68, 0.82, 18, 2)["seeds"] == 8  # SmolLM2's T = 1 study: 2 × 0.82² / (0.8 / 1.96)² ≈ 8
     assert reach_plan(0.5, 30.0, 18, 2, most_seeds=64) is None  # the seed part alone too wide up to 64 seeds
+    # a benchmark of 80 questions: the cheapest plan within them, more seeds for fewer questions, or none at all
+    capped = reach_plan(0.68, 0.82, 18, 2, most_questions=80)
+    best = min(((s, q) for s in range(2, 257) for q in range(1, 81)
+                if half(0.68, 0.82, 18, s, q) <= TARGET_HALF_WIDTH), key=lambda p: (p[0] * p[1], p[0]))
+    assert (capped["seeds"], capped["questions"]) == best and capped["questions"] <= 80 < 102
+    assert reach_plan(0.68, 0.82, 18, 2, most_questions=40) is None  # the question part alone too wide on 40
 
 
 def test_delta_pct_interval_says_what_reaches_the_target_where_seeds_alone_cannot():
@@ -779,6 +785,10 @@ def test_delta_pct_interval_says_what_reaches_the_target_where_seeds_alone_canno
     r = got["reach"]
     assert (f"more seeds alone cannot reach it (the question part alone is wider), about {r['seeds']} paired seeds "
             f"on {r['questions']} questions would (an estimate from 3 seeds' spread") in gap_sentence(g)
+    # where nothing within the benchmark's questions would, the sentence says so (not for records made before reach)
+    assert "no number of seeds up to 256 reaches it on this benchmark's questions" in gap_sentence({**g, "reach": None})
+    old = {k: v for k, v in g.items() if k != "reach"}
+    assert "reaches it" not in gap_sentence(old) and "would reach" not in gap_sentence(old)
     # where seeds alone can, the sentence names them and no reach is computed
     easy = delta_pct_interval(stats, {"eagle3": seeds, "elsi:3": seeds}, "elsi:3", "eagle3",
                               resample_weights(q, 400, seed=0) * 0 + 1)  # every resample = all questions

@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from elsi.data.spec_bench import load_questions
 from elsi.runtime import machine_label, timing_key
 from elsi.stats.sampling import interval, mean, pooled_tau, resample_weights, spearman
 from elsi.study.plan import StudyPlan, live_temperatures
@@ -84,7 +85,7 @@ TARGET_HALF_WIDTH = 0.8
 
 
 def delta_pct_interval(stats: dict[tuple[str, int], dict], seeds: dict[str, list[int]], name: str, ref: str,
-                       weights: np.ndarray, seed: int = 0) -> dict:
+                       weights: np.ndarray, seed: int = 0, most_questions: int | None = None) -> dict:
     """Δ% = 100 (τ_name / τ_ref - 1) with intervals that combine seed-to-seed and question sampling.
 
     Paired seeds: seed s of both sets (same data order and initialisation where shapes allow). Hierarchical
@@ -94,7 +95,7 @@ def delta_pct_interval(stats: dict[tuple[str, int], dict], seeds: dict[str, list
     variance of Δ% into a question part (the question bootstrap of the seed mean) and a seed part (the
     seeds' Δ% variance / S), the seeds that would bring the half-width to ``TARGET_HALF_WIDTH`` at this many
     questions (``seeds_needed``), and where seeds alone cannot (the question part alone is wider), the seeds and
-    questions that would (``reach``: ``reach_plan``).
+    questions that would (``reach``: ``reach_plan``, with at most ``most_questions``, the benchmark's questions).
     """
     from scipy import stats as st
 
@@ -128,16 +129,17 @@ def delta_pct_interval(stats: dict[tuple[str, int], dict], seeds: dict[str, list
             room = (TARGET_HALF_WIDTH / 1.96) ** 2 - q_sd ** 2  # variance left for the seed part
             out["seeds_needed"] = (math.ceil(sd_s ** 2 / room) if room > 0 else None)
             if room <= 0:
-                out["reach"] = reach_plan(q_sd, sd_s, weights.shape[1], n_s)
+                out["reach"] = reach_plan(q_sd, sd_s, weights.shape[1], n_s, most_questions=most_questions)
     return out
 
 
-def reach_plan(question_sd: float, seed_sd: float, questions: int, seeds: int, most_seeds: int = 256) -> dict | None:
+def reach_plan(question_sd: float, seed_sd: float, questions: int, seeds: int, most_seeds: int = 256,
+               most_questions: int | None = None) -> dict | None:
     """The paired seeds S and questions Q that bring the half-width of Δ% to ``TARGET_HALF_WIDTH`` with the fewest
     drafts × questions (what live decoding costs), at least the ``seeds`` measured: an estimate that takes the
     question part's variance as ``question_sd``² × ``questions`` / Q (questions drawn alike) and the seed part's as
     ``seed_sd``² / S, i.e. the smallest S·Q with 1.96² (question_sd² questions / Q + seed_sd² / S) ≤ target².
-    None where no S up to ``most_seeds`` would (the seed part alone too wide)."""
+    None where no S up to ``most_seeds`` would with at most ``most_questions`` questions (None: any number)."""
     target = (TARGET_HALF_WIDTH / 1.96) ** 2
     best = None
     for s in range(max(seeds, 1), most_seeds + 1):
@@ -145,6 +147,8 @@ def reach_plan(question_sd: float, seed_sd: float, questions: int, seeds: int, m
         if room <= 0:
             continue
         q = max(1, math.ceil(question_sd ** 2 * questions / room))
+        if most_questions is not None and q > most_questions:
+            continue
         if best is None or s * q < best["seeds"] * best["questions"]:
             best = {"seeds": s, "questions": q}
     return best
@@ -189,9 +193,10 @@ def seeds_tau(w: np.ndarray, stats: dict[tuple[str, int], dict], seeds: dict[str
 
 def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: dict[tuple[str, int], dict],
                         weights: np.ndarray | None, temperature, tree_nodes,
-                        subtasks: dict[str, np.ndarray] | None = None) -> dict:
+                        subtasks: dict[str, np.ndarray] | None = None, most_questions: int | None = None) -> dict:
     """Rows (one per set), Spearman's ρ between entropy and τ all, and the selected sets' gaps (each
-    also per subtask, where ``subtasks`` maps a subtask to its questions' mask (Q,) bool).
+    also per subtask, where ``subtasks`` maps a subtask to its questions' mask (Q,) bool). ``most_questions``: the
+    benchmark's questions in these subtasks, the most a plan to narrow an interval (``reach``) may ask for.
 
     ``seeds``: each set's seeds, by name (sets may have different numbers); ``stats``: ``draft_stats``
     of every (set name, seed).
@@ -252,7 +257,8 @@ def summarize_condition(sets: list[dict], seeds: dict[str, list[int]], stats: di
                          "delta_pct": r["delta_pct"][ref], "seed_spread": spread,
                          "beyond_seed_spread": None if spread is None else abs(delta) > spread,
                          "ci_low": g_lo, "ci_high": g_hi,
-                         **(delta_pct_interval(stats, seeds, r["name"], ref, weights) if weights is not None else {}),
+                         **(delta_pct_interval(stats, seeds, r["name"], ref, weights, most_questions=most_questions)
+                            if weights is not None else {}),
                          "subtasks": subtask_gaps(r, b, stats, seeds, weights, subtasks or {})})
     return {"temperature": temperature, "tree_nodes": tree_nodes, "label": condition_label(temperature, tree_nodes),
             "sets": rows, "spearman": spear, "gaps": gaps}
@@ -364,7 +370,8 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
         stats = {k: draft_stats(benches[k]["answers"], qids, subtask_of, t, n, *timed.get(where[k], (None, {}, {}))[1:])
                  for k in drafts}
         held = condition_seeds(seeds, benches, [t] if t is not None else bench["temperature"], n)
-        cond = summarize_condition([s for s in sets if held[s["name"]]], held, stats, weights, t, n, masks)
+        most = len(load_questions(list(masks))) if masks else None  # Spec-Bench's questions in these subtasks
+        cond = summarize_condition([s for s in sets if held[s["name"]]], held, stats, weights, t, n, masks, most)
         cond["questions"] = len(qids)
         cond["seeds_decoded"] = None if held == seeds else {k: v for k, v in held.items() if v}
         cond["exact"] = bool(exact) and (t == 0.0 or (t is None and not live))  # every τ of it from the evaluator
@@ -438,6 +445,9 @@ def need_words(g: dict) -> str:
     if g.get("seeds_needed"):
         return f"; about {g['seeds_needed']} paired seeds would reach it"
     r = g.get("reach")
+    if ("reach" in g and r is None and g.get("seeds_needed") is None and g.get("seed_sd") is not None
+            and g.get("question_sd") is not None):  # planned and found none (records before ``reach`` have no key)
+        return "; no number of seeds up to 256 reaches it on this benchmark's questions (an estimate)"
     if r:
         n = g.get("paired_seeds")
         n = len(n) if isinstance(n, list) else n  # study.json lists them, comparison.json counts them
