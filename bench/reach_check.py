@@ -1,6 +1,6 @@
 """Does a small study's forecast hold? Check ``seeds_needed`` and ``reach`` on a powered study's own records.
 
-    .venv/bin/python bench/reach_check.py STUDY [--set elsi:3] [--ref eagle3] [--pilots 200] [--draws 2000]
+    .venv/bin/python bench/reach_check.py STUDY [--set elsi:3] [--ref eagle3] [--pilots 1000] [--draws 2000]
                                                 [--out JSON]
 
 STUDY: a finished study with the exact τ (bench/results/study3-MODEL: 8 paired seeds of eagle3, elsi:3 and elsi:1
@@ -8,7 +8,8 @@ on all 480 Spec-Bench questions). Its drafts are the population; the condition i
 every tree size pooled). Each pilot is a small study drawn from it the way the temperature-1 studies are designed
 (2 paired seeds of the 8, 3 questions per subtask) and summarized as a study summarizes itself
 (``elsi.study.summary.delta_pct_interval``): its question SD and seed SD, and its plan to reach the half-width target
-±0.8 points (``seeds_needed`` at its 18 questions, or, where seeds alone cannot, ``reach``: seeds and questions).
+±0.8 points (``seeds_needed`` at its 18 questions, or, where seeds alone cannot, ``reach``: seeds and at most the
+population's questions, as a study plans within Spec-Bench's).
 Each plan is then checked against the truth: the half-width 1.96 × SD of Δ% = 100 (τ_set / τ_ref − 1) over
 ``--draws`` studies of the plan's size drawn from the population (paired seeds with replacement from the 8, questions
 with replacement from the 480). Also the pilot's forecast of the half-width at the population's own size (8 seeds,
@@ -101,14 +102,15 @@ def three_parts(stats: dict, seeds: list[int], name: str, ref: str, w: np.ndarra
     return max(0.0, v_mean * n_q - b / n_s), b, max(0.0, float(np.var(per, ddof=1)) - b / n_q)
 
 
-def three_part_plan(a: float, b: float, c: float, seeds: int, most_seeds: int = 256) -> dict | None:
-    """The fewest seeds × questions with 1.96² (a / Q + b / (S Q) + c / S) ≤ target², S ≥ ``seeds``."""
+def three_part_plan(a: float, b: float, c: float, seeds: int, most_questions: int, most_seeds: int = 256) -> dict | None:
+    """The fewest seeds × questions with 1.96² (a / Q + b / (S Q) + c / S) ≤ target², S ≥ ``seeds``, Q at most
+    ``most_questions``."""
     target, best = (TARGET_HALF_WIDTH / 1.96) ** 2, None
     for s in range(seeds, most_seeds + 1):
         room = target - c / s
         if room > 0:
             q = max(1, math.ceil((a + b / s) / room))
-            if best is None or s * q < best["seeds"] * best["questions"]:
+            if q <= most_questions and (best is None or s * q < best["seeds"] * best["questions"]):
                 best = {"seeds": s, "questions": q}
     return best
 
@@ -125,7 +127,7 @@ def pilot(acc: dict, steps: dict, subtasks: list[str], name: str, ref: str, rng:
         qs += sorted(rng.choice(pool, size=PER_SUBTASK, replace=False).tolist())
     stats = {(n, sd): {"accepted": acc[n][sd, qs], "steps": steps[n][sd, qs]} for n in (name, ref) for sd in seeds}
     w = resample_weights(len(qs), 1000, seed)
-    got = delta_pct_interval(stats, {name: seeds, ref: seeds}, name, ref, w)
+    got = delta_pct_interval(stats, {name: seeds, ref: seeds}, name, ref, w, most_questions=len(subtasks))
     return {"seeds": seeds, "questions": len(qs), **{k: got[k] for k in ("pct_half_width", "question_sd", "seed_sd",
                                                                         "seeds_needed", "reach")},
             "three_parts": three_parts(stats, seeds, name, ref, w)}
@@ -144,7 +146,7 @@ def main() -> int:
     ap.add_argument("study", help="a finished study with the exact τ, or its records in bench/results")
     ap.add_argument("--set", default="elsi:3", help="the selected set (default elsi:3)")
     ap.add_argument("--ref", default="eagle3", help="the default it is compared with (default eagle3)")
-    ap.add_argument("--pilots", type=int, default=200, help="small studies drawn (default 200)")
+    ap.add_argument("--pilots", type=int, default=1000, help="small studies drawn (default 1000)")
     ap.add_argument("--draws", type=int, default=2000, help="designs drawn for each true half-width (default 2000)")
     ap.add_argument("--out", default="", help="JSON output (default bench/results/reach_check_MODEL.json)")
     args = ap.parse_args()
@@ -159,12 +161,13 @@ def main() -> int:
         print(f"reach_check: {e}", file=sys.stderr)
         return 2
     n_s, n_q = acc[args.set].shape
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(0)  # the pilots
     truth: dict[tuple[int, int], float] = {}
 
-    def true_half(s: int, q: int) -> float:
+    def true_half(s: int, q: int) -> float:  # its own draws for each size: the same whatever the pilots ask
         if (s, q) not in truth:
-            truth[(s, q)] = truth_half_width(acc, steps, args.set, args.ref, s, q, args.draws, rng)
+            truth[(s, q)] = truth_half_width(acc, steps, args.set, args.ref, s, q, args.draws,
+                                             np.random.default_rng([1, s, q]))
         return truth[(s, q)]
 
     full = true_half(n_s, n_q)
@@ -182,7 +185,7 @@ def main() -> int:
                               if p["question_sd"] is not None and p["seed_sd"] is not None else None)
         a, b, c = p["three_parts"]
         p["forecast_full_3"] = 1.96 * math.sqrt(a / n_q + b / (n_s * n_q) + c / n_s)
-        p["plan_3"] = three_part_plan(a, b, c, PILOT_SEEDS)
+        p["plan_3"] = three_part_plan(a, b, c, PILOT_SEEDS, n_q)
         p["truth_at_plan_3"] = true_half(p["plan_3"]["seeds"], p["plan_3"]["questions"]) if p["plan_3"] else None
         rows.append(p)
     planned = [r for r in rows if r["plan"]]
@@ -215,7 +218,7 @@ def main() -> int:
                 "forecast_full_over_truth": quantiles([r["forecast_full_3"] / full for r in rows]),
             },
         },
-        "pilots": rows,
+        "pilots_shown": rows[:10],  # the first of them in full; the command draws the same ones again
         "seconds": time.time() - t0,
         "machine": machine_info(),
     }
