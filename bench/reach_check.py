@@ -34,7 +34,8 @@ from elsi.runtime import machine_info
 from elsi.stats.sampling import pooled_tau, resample_weights
 from elsi.study.plan import load_plan
 from elsi.study.sofar import finished_drafts
-from elsi.study.summary import TARGET_HALF_WIDTH, condition_questions, delta_pct_interval, draft_stats
+from elsi.study.summary import (TARGET_HALF_WIDTH, cheapest_plan, condition_questions, delta_pct_interval,
+                                draft_stats)
 from elsi.text import md_table
 
 PER_SUBTASK = 3  # the temperature-1 studies' questions per subtask (bench/study3_t1.sh)
@@ -102,17 +103,10 @@ def three_parts(stats: dict, seeds: list[int], name: str, ref: str, w: np.ndarra
     return max(0.0, v_mean * n_q - b / n_s), b, max(0.0, float(np.var(per, ddof=1)) - b / n_q)
 
 
-def three_part_plan(a: float, b: float, c: float, seeds: int, most_questions: int, most_seeds: int = 256) -> dict | None:
+def three_part_plan(a: float, b: float, c: float, seeds: int, most_questions: int) -> dict | None:
     """The fewest seeds × questions with 1.96² (a / Q + b / (S Q) + c / S) ≤ target², S ≥ ``seeds``, Q at most
-    ``most_questions``."""
-    target, best = (TARGET_HALF_WIDTH / 1.96) ** 2, None
-    for s in range(seeds, most_seeds + 1):
-        room = target - c / s
-        if room > 0:
-            q = max(1, math.ceil((a + b / s) / room))
-            if q <= most_questions and (best is None or s * q < best["seeds"] * best["questions"]):
-                best = {"seeds": s, "questions": q}
-    return best
+    ``most_questions`` (``cheapest_plan``, the study's search, with this split's question part)."""
+    return cheapest_plan(lambda s: a + b / s, c, seeds, most_questions=most_questions)
 
 
 def pilot(acc: dict, steps: dict, subtasks: list[str], name: str, ref: str, rng: np.random.Generator,

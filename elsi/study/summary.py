@@ -24,6 +24,8 @@ Conditions: every (temperature, tree size) of the study, and "all" pooling them.
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
@@ -82,6 +84,7 @@ def condition_questions(drafts: list[list[dict]], temperature, tree_nodes) -> di
 # Half-width (percentage points) of the 95 % interval of Δ% that decides a claim (issue 30): the paper's smallest
 # reported gain, +1.6 %, is then either inside the interval or excluded by it.
 TARGET_HALF_WIDTH = 0.8
+MOST_SEEDS = 256  # the most paired seeds a plan to reach it may ask for (``reach_plan``)
 
 
 def delta_pct_interval(stats: dict[tuple[str, int], dict], seeds: dict[str, list[int]], name: str, ref: str,
@@ -133,25 +136,34 @@ def delta_pct_interval(stats: dict[tuple[str, int], dict], seeds: dict[str, list
     return out
 
 
-def reach_plan(question_sd: float, seed_sd: float, questions: int, seeds: int, most_seeds: int = 256,
-               most_questions: int | None = None) -> dict | None:
-    """The paired seeds S and questions Q that bring the half-width of Δ% to ``TARGET_HALF_WIDTH`` with the fewest
-    drafts × questions (what live decoding costs), at least the ``seeds`` measured: an estimate that takes the
-    question part's variance as ``question_sd``² × ``questions`` / Q (questions drawn alike) and the seed part's as
-    ``seed_sd``² / S, i.e. the smallest S·Q with 1.96² (question_sd² questions / Q + seed_sd² / S) ≤ target².
-    None where no S up to ``most_seeds`` would with at most ``most_questions`` questions (None: any number)."""
+def cheapest_plan(question_part: Callable[[int], float], seed_part: float, seeds: int,
+                  most_seeds: int = MOST_SEEDS, most_questions: int | None = None) -> dict | None:
+    """The paired seeds S (at least ``seeds``, at most ``most_seeds``) and questions Q (at most ``most_questions``;
+    None: any number) with the fewest S·Q such that 1.96² (``question_part``(S) / Q + ``seed_part`` / S) ≤
+    ``TARGET_HALF_WIDTH``², where ``question_part``(S) is the question part's variance times the questions at S seeds
+    -> {"seeds", "questions"}, or None where no such S and Q are."""
     target = (TARGET_HALF_WIDTH / 1.96) ** 2
     best = None
     for s in range(max(seeds, 1), most_seeds + 1):
-        room = target - seed_sd ** 2 / s  # variance left for the question part
+        room = target - seed_part / s  # variance left for the question part
         if room <= 0:
             continue
-        q = max(1, math.ceil(question_sd ** 2 * questions / room))
+        q = max(1, math.ceil(question_part(s) / room))
         if most_questions is not None and q > most_questions:
             continue
         if best is None or s * q < best["seeds"] * best["questions"]:
             best = {"seeds": s, "questions": q}
     return best
+
+
+def reach_plan(question_sd: float, seed_sd: float, questions: int, seeds: int, most_seeds: int = MOST_SEEDS,
+               most_questions: int | None = None) -> dict | None:
+    """The paired seeds S and questions Q that bring the half-width of Δ% to ``TARGET_HALF_WIDTH`` with the fewest
+    drafts × questions (what live decoding costs), at least the ``seeds`` measured: an estimate that takes the
+    question part's variance as ``question_sd``² × ``questions`` / Q (questions drawn alike) and the seed part's as
+    ``seed_sd``² / S, i.e. the smallest S·Q with 1.96² (question_sd² questions / Q + seed_sd² / S) ≤ target²
+    (``cheapest_plan``). None where no S up to ``most_seeds`` would with at most ``most_questions`` questions."""
+    return cheapest_plan(lambda _: question_sd ** 2 * questions, seed_sd ** 2, seeds, most_seeds, most_questions)
 
 
 def draft_stats(answers: list[dict], qids: list[int], subtask_of: dict[int, str], temperature, tree_nodes,
@@ -350,6 +362,7 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
                          (b.get("machine"), _by_question(b, "plain"), _by_question(b, "hf_generate")))
     base = [a for a in baselines[0]["answers"] if a["method"] == "plain"] if baselines else []
     exact = plan.exact  # temperature 0 from the exact evaluator (more questions)
+    on_bench = Counter(q.subtask for q in load_questions())  # Spec-Bench's questions per subtask: what a plan may ask
     conditions = [(t, n) for t in bench["temperature"] for n in bench["tree_nodes"]]
     if exact and len(bench["tree_nodes"]) > 1:
         conditions.append((0.0, None))  # the claims' condition: every tree size of the exact τ pooled
@@ -370,7 +383,7 @@ def summarize_study(plan: StudyPlan, benches: dict[tuple[str, int], dict], basel
         stats = {k: draft_stats(benches[k]["answers"], qids, subtask_of, t, n, *timed.get(where[k], (None, {}, {}))[1:])
                  for k in drafts}
         held = condition_seeds(seeds, benches, [t] if t is not None else bench["temperature"], n)
-        most = len(load_questions(list(masks))) if masks else None  # Spec-Bench's questions in these subtasks
+        most = sum(on_bench[sub] for sub in masks) if masks else None  # Spec-Bench's questions in these subtasks
         cond = summarize_condition([s for s in sets if held[s["name"]]], held, stats, weights, t, n, masks, most)
         cond["questions"] = len(qids)
         cond["seeds_decoded"] = None if held == seeds else {k: v for k, v in held.items() if v}
@@ -447,7 +460,7 @@ def need_words(g: dict) -> str:
     r = g.get("reach")
     if ("reach" in g and r is None and g.get("seeds_needed") is None and g.get("seed_sd") is not None
             and g.get("question_sd") is not None):  # planned and found none (records before ``reach`` have no key)
-        return "; no number of seeds up to 256 reaches it on this benchmark's questions (an estimate)"
+        return f"; no number of seeds up to {MOST_SEEDS} reaches it on this benchmark's questions (an estimate)"
     if r:
         n = g.get("paired_seeds")
         n = len(n) if isinstance(n, list) else n  # study.json lists them, comparison.json counts them
@@ -528,4 +541,4 @@ def verdict(study: dict) -> list[str]:
 
 
 __all__ = ["claims_condition", "condition_seeds", "delta_pct_interval", "draft_stats", "gap_sentence", "gap_side",
-           "need_words", "reach_plan", "summarize_condition", "summarize_study", "verdict", "vllm_rows"]
+           "cheapest_plan", "need_words", "reach_plan", "summarize_condition", "summarize_study", "verdict", "vllm_rows"]
